@@ -1,0 +1,36 @@
+//! Contracts of [outbox-rs](https://github.com/outbox-rs/outbox-rs): the
+//! message model, the [`Store`], [`Transport`] and [`Dispatcher`] traits,
+//! the error type, retry policy and health types.
+//!
+//! Backends depend on this crate only; applications use the `outbox` facade.
+//! With the `testing` feature, [`testing`] holds the conformance suite that
+//! every backend runs.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod dispatch;
+mod enqueue;
+mod error;
+mod health;
+mod message;
+mod retry;
+mod store;
+mod transport;
+
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use dispatch::{Dispatcher, Handler, HandlerError, Handlers, MessageContext, NoHandler};
+pub use enqueue::Enqueue;
+pub use error::{Error, ErrorKind, Result, redact_url};
+pub use health::{HealthReport, HealthStatus, TransportHealth};
+pub use message::{
+    Destination, Message, MessageId, MessageKind, MessageState, NewMessage, OutboxMessage,
+    Timestamp, is_valid_traceparent, limits,
+};
+pub use retry::RetryPolicy;
+pub use store::{
+    ClaimRequest, Clock, FailOutcome, Failure, ListQuery, ManualClock, OperatorStore, Release,
+    Stats, Store, SystemClock, TokioClock, Wakeup, WakeupListener, WorkListener, audit_note,
+};
+pub use transport::{Outcome, Transport};

@@ -1,0 +1,346 @@
+//! The relay's view of one outbox table.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::watch;
+
+use crate::error::Result;
+use crate::message::{Message, MessageId, MessageKind, MessageState, Timestamp};
+
+/// What a relay asks for when it claims work.
+#[derive(Debug, Clone)]
+pub struct ClaimRequest {
+    /// The claiming relay's identity; stored as `locked_by`.
+    pub worker: String,
+    /// At most this many messages.
+    pub limit: usize,
+    /// The lease: claimed messages are `locked_until = now + lease`.
+    pub lease: Duration,
+    /// The current time, as the relay's clock says.
+    pub now: Timestamp,
+    /// `None` claims both kinds; `Some(kind)` only that kind (a relay without
+    /// a transport, or whose transport is down, claims only domain messages).
+    pub kind: Option<MessageKind>,
+}
+
+/// A counted failure of one delivery.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The relay that held the lease.
+    pub worker: String,
+    /// The message.
+    pub id: MessageId,
+    /// Why it failed; stored as `last_error`.
+    pub error: String,
+    /// When it may be claimed again (if it is not poisoned).
+    pub retry_at: Timestamp,
+    /// Poison when `attempts` reaches this.
+    pub max_attempts: u32,
+    /// The current time.
+    pub now: Timestamp,
+}
+
+/// What became of a message after [`Store::fail`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailOutcome {
+    /// Back to pending, to be retried at `retry_at`; holds the new attempt count.
+    Retrying {
+        /// Attempts counted so far.
+        attempts: u32,
+    },
+    /// Reached `max_attempts`: parked for a human.
+    Poisoned {
+        /// Attempts counted (= `max_attempts`).
+        attempts: u32,
+    },
+    /// The worker no longer held the lease (it expired and another relay took
+    /// the message, or it was already processed): nothing was changed.
+    LeaseLost,
+}
+
+/// An uncounted release of leased messages (outage, shutdown).
+#[derive(Debug, Clone)]
+pub struct Release {
+    /// The relay that held the leases.
+    pub worker: String,
+    /// The messages; ids whose lease this worker no longer holds are skipped.
+    pub ids: Vec<MessageId>,
+    /// If set, stored as `last_error` (an outage); attempts never change.
+    pub error: Option<String>,
+    /// When they may be claimed again.
+    pub available_at: Timestamp,
+}
+
+/// Counts over the outbox table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Messages waiting for delivery (including leased and delayed ones).
+    pub pending: u64,
+    /// Messages waiting for a human.
+    pub poisoned: u64,
+    /// Delivered messages not yet purged.
+    pub processed: u64,
+    /// `created_at` of the oldest pending message.
+    pub oldest_pending_created_at: Option<Timestamp>,
+}
+
+/// The relay's view of one outbox table.
+///
+/// # Contract
+/// Every backend passes the conformance suite in `outbox_api::testing`
+/// (feature `testing`). In short:
+///
+/// * [`claim`](Store::claim) atomically leases up to `limit` *claimable*
+///   messages, oldest (commit order) first, and returns them in that order.
+///   A message is claimable when it is `Pending`, `available_at <= now`, its
+///   lease is absent or expired (`locked_until <= now`), its kind matches the
+///   request, and every earlier message with the same `key` is either
+///   `Processed` or claimed in the same call. So a poisoned, delayed or
+///   leased message parks only the later messages of its own key. Two
+///   concurrent claims (in any processes) never return the same message
+///   while its lease holds. Claiming does not count an attempt.
+/// * [`complete`](Store::complete) marks messages `Processed` (idempotent;
+///   the caller calls it only after delivery succeeded). It applies even if
+///   the lease expired meanwhile: the message *was* delivered.
+/// * [`fail`](Store::fail) counts one attempt, stores the error and either
+///   reschedules at `retry_at` or poisons at `max_attempts`; it applies only
+///   while `worker` holds the lease.
+/// * [`release`](Store::release) gives leases back without counting an
+///   attempt (outage, shutdown).
+/// * [`purge_processed`](Store::purge_processed) deletes at most `limit`
+///   processed messages older than `before`, so that a caller can purge in
+///   small batches without long write locks.
+/// * Every method is safe to call concurrently.
+#[async_trait]
+pub trait Store: Send + Sync + Debug + 'static {
+    /// Leases up to `request.limit` claimable messages; see the trait docs.
+    async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Message>>;
+
+    /// Marks messages processed at `now`.
+    async fn complete(&self, ids: &[MessageId], now: Timestamp) -> Result<()>;
+
+    /// Counts a failed attempt; see [`FailOutcome`].
+    async fn fail(&self, failure: &Failure) -> Result<FailOutcome>;
+
+    /// Releases leases without counting an attempt.
+    async fn release(&self, release: &Release) -> Result<()>;
+
+    /// Counts by state and the age of the oldest pending message.
+    async fn stats(&self) -> Result<Stats>;
+
+    /// Deletes at most `limit` processed messages with `processed_at < before`;
+    /// returns how many it deleted.
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> Result<u64>;
+
+    /// A listener that wakes when work may have arrived; see [`WorkListener`].
+    /// The default never wakes early, so the relay falls back to polling.
+    fn listen(&self) -> Box<dyn WorkListener> {
+        Box::new(NeverWakes)
+    }
+}
+
+/// Wakes a relay when new work may be claimable.
+///
+/// # Contract
+/// [`wait`](WorkListener::wait) returns as soon as something changed since
+/// the previous call returned (or since the listener was created) — an
+/// in-process commit that enqueued must wake it at once; a backend may also
+/// detect other processes' commits — and otherwise after `timeout`.
+/// Spurious wake-ups are allowed; missed ones are not: a change that
+/// happened while the caller was busy makes the next `wait` return at once.
+#[async_trait]
+pub trait WorkListener: Send + 'static {
+    /// Waits for a change or `timeout`; returns whether a change was seen.
+    async fn wait(&mut self, timeout: Duration) -> bool;
+}
+
+#[derive(Debug)]
+struct NeverWakes;
+
+#[async_trait]
+impl WorkListener for NeverWakes {
+    async fn wait(&mut self, timeout: Duration) -> bool {
+        tokio::time::sleep(timeout).await;
+        false
+    }
+}
+
+/// An in-process "something was committed" signal, for backends to build
+/// [`WorkListener`]s from. Cloning shares the signal.
+#[derive(Debug, Clone)]
+pub struct Wakeup {
+    tx: Arc<watch::Sender<u64>>,
+}
+
+impl Default for Wakeup {
+    fn default() -> Self {
+        Wakeup {
+            tx: Arc::new(watch::channel(0).0),
+        }
+    }
+}
+
+impl Wakeup {
+    /// A new signal.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Announces a change to every listener.
+    pub fn notify(&self) {
+        self.tx.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// A listener that sees every later [`notify`](Wakeup::notify).
+    pub fn listener(&self) -> WakeupListener {
+        WakeupListener {
+            rx: self.tx.subscribe(),
+        }
+    }
+}
+
+/// A [`WorkListener`] fed by a [`Wakeup`].
+#[derive(Debug)]
+pub struct WakeupListener {
+    rx: watch::Receiver<u64>,
+}
+
+impl WakeupListener {
+    /// Whether a notification arrived that was not yet seen; marks it seen.
+    pub fn take_change(&mut self) -> bool {
+        let changed = self.rx.has_changed().unwrap_or(false);
+        if changed {
+            self.rx.borrow_and_update();
+        }
+        changed
+    }
+
+    /// Waits for a notification (forever, if the signal is dropped).
+    pub async fn changed(&mut self) {
+        if self.rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[async_trait]
+impl WorkListener for WakeupListener {
+    async fn wait(&mut self, timeout: Duration) -> bool {
+        tokio::time::timeout(timeout, self.changed()).await.is_ok()
+    }
+}
+
+/// A query over messages, for operators.
+#[derive(Debug, Clone, Default)]
+pub struct ListQuery {
+    /// Only messages in this state.
+    pub state: Option<MessageState>,
+    /// Only messages of this type.
+    pub message_type: Option<String>,
+    /// At most this many (oldest first); `0` means the backend default (100).
+    pub limit: usize,
+}
+
+/// Operator functions over an outbox table: inspect, retry and discard.
+///
+/// # Contract
+/// * [`retry`](OperatorStore::retry) moves a `Poisoned` message back to
+///   `Pending`, resets `attempts` to 0, makes it available at `now`, and
+///   records who and when in `last_error`. Any other state is a
+///   `Conflict` error; an unknown id is `NotFound`.
+/// * [`discard`](OperatorStore::discard) marks a `Pending` or `Poisoned`
+///   message `Processed` without delivering it, recording who and when in
+///   `last_error`, so it unblocks its key and is purged by retention.
+#[async_trait]
+pub trait OperatorStore: Store {
+    /// Messages matching `query`, oldest first.
+    async fn list(&self, query: &ListQuery) -> Result<Vec<Message>>;
+
+    /// One message.
+    async fn get(&self, id: MessageId) -> Result<Option<Message>>;
+
+    /// Poisoned → pending, attempts reset; `by` names the operator.
+    async fn retry(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()>;
+
+    /// Pending or poisoned → processed without delivery; `by` names the operator.
+    async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()>;
+}
+
+/// The text an operator action leaves in `last_error`.
+pub fn audit_note(action: &str, by: &str, now: Timestamp, previous: Option<&str>) -> String {
+    match previous {
+        Some(prev) => format!("{action} by {by} at {now}; previous error: {prev}"),
+        None => format!("{action} by {by} at {now}"),
+    }
+}
+
+/// Where the relay gets the time from. Leases compare times written by
+/// several processes, so production relays use the wall clock.
+pub trait Clock: Send + Sync + Debug + 'static {
+    /// The current time.
+    fn now(&self) -> Timestamp;
+}
+
+/// The wall clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
+    }
+}
+
+/// A clock that moves only when told to, for tests.
+#[derive(Debug, Default)]
+pub struct ManualClock {
+    millis: std::sync::atomic::AtomicI64,
+}
+
+impl ManualClock {
+    /// Starts at `start`.
+    pub fn new(start: Timestamp) -> Self {
+        ManualClock {
+            millis: std::sync::atomic::AtomicI64::new(start.as_millis()),
+        }
+    }
+
+    /// Moves forward by `d`.
+    pub fn advance(&self, d: Duration) {
+        let ms = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+        self.millis
+            .fetch_add(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.millis.load(std::sync::atomic::Ordering::SeqCst))
+    }
+}
+
+/// A clock that follows tokio's clock, so that tests with paused time
+/// (`#[tokio::test(start_paused = true)]`) move leases and backoff too.
+#[derive(Debug)]
+pub struct TokioClock {
+    start_wall: Timestamp,
+    start: tokio::time::Instant,
+}
+
+impl Default for TokioClock {
+    fn default() -> Self {
+        TokioClock {
+            start_wall: Timestamp::now(),
+            start: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl Clock for TokioClock {
+    fn now(&self) -> Timestamp {
+        self.start_wall.add(self.start.elapsed())
+    }
+}

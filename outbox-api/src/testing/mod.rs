@@ -1,0 +1,47 @@
+//! The conformance suite (feature `testing`): plain async functions, one per
+//! contract clause, that every [`Store`](crate::Store) and
+//! [`Transport`](crate::Transport) runs.
+//!
+//! A backend implements [`StoreUnderTest`] (or [`TransportUnderTest`]) and
+//! calls [`store_conformance_tests!`](crate::store_conformance_tests) (or
+//! [`transport_conformance_tests!`](crate::transport_conformance_tests)) in
+//! its tests, which expands to one `#[test]` per clause.
+
+pub mod store;
+pub mod transport;
+
+pub use store::StoreUnderTest;
+pub use transport::TransportUnderTest;
+
+use std::future::Future;
+use std::time::Duration;
+
+/// Runs a future to completion on a fresh tokio runtime (used by the
+/// conformance macros, so backends need no test attribute of their own).
+pub fn block_on<F: Future>(future: F) -> F::Output {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("building a tokio runtime for a conformance test")
+        .block_on(future)
+}
+
+/// Polls `condition` every few milliseconds until it holds, failing the test
+/// with `what` after `deadline`. Tests wait on conditions, never on sleeps.
+pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = tokio::time::Instant::now();
+    loop {
+        if condition().await {
+            return;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

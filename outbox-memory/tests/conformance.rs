@@ -1,0 +1,104 @@
+//! The memory backend runs the whole conformance suite.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_api::testing::{StoreUnderTest, TransportUnderTest};
+use outbox_api::{Message, MessageId, MessageKind, NewMessage, OperatorStore, Result, Timestamp, Transport};
+use outbox_memory::{MemoryStore, MemoryTransport, MemoryTransportHandle};
+
+struct Mem(MemoryStore);
+
+#[async_trait]
+impl StoreUnderTest for Mem {
+    fn store(&self) -> Arc<dyn OperatorStore> {
+        Arc::new(self.0.clone())
+    }
+    async fn try_enqueue(&self, messages: Vec<NewMessage>) -> Result<Vec<MessageId>> {
+        let mut tx = self.0.begin();
+        let ids = messages.into_iter().map(|m| tx.enqueue(m)).collect::<Result<Vec<_>>>()?;
+        tx.commit()?;
+        Ok(ids)
+    }
+    async fn enqueue_rolled_back(&self, messages: Vec<NewMessage>) {
+        let mut tx = self.0.begin();
+        for m in messages {
+            tx.enqueue(m).unwrap();
+        }
+        tx.rollback();
+    }
+}
+
+async fn memory_store() -> Mem {
+    Mem(MemoryStore::new())
+}
+
+outbox_api::store_conformance_tests!(memory_store);
+
+struct MemTransport(MemoryTransport, MemoryTransportHandle);
+
+#[async_trait]
+impl TransportUnderTest for MemTransport {
+    fn transport(&self) -> Arc<dyn Transport> {
+        Arc::new(self.0.clone())
+    }
+    fn deliverable(&self, n: usize) -> Message {
+        NewMessage::new(MessageKind::Integration, "Ok", n.to_string().into_bytes())
+            .into_message(Timestamp::now())
+            .unwrap()
+    }
+    fn rejectable(&self) -> Message {
+        NewMessage::new(MessageKind::Integration, "Unroutable", b"x".to_vec())
+            .into_message(Timestamp::now())
+            .unwrap()
+    }
+    async fn break_connection(&self) {
+        self.1.set_down("connection cut by test");
+    }
+    async fn heal_connection(&self) {
+        self.1.set_up();
+    }
+    async fn received(&self) -> Vec<MessageId> {
+        self.1.delivered_ids()
+    }
+}
+
+async fn memory_transport() -> MemTransport {
+    let (t, h) = MemoryTransport::new();
+    h.reject_type("Unroutable");
+    MemTransport(t, h)
+}
+
+outbox_api::transport_conformance_tests!(memory_transport);
+
+#[test]
+fn inbox_turns_duplicates_into_one_effect() {
+    let store = MemoryStore::new();
+    let id = MessageId::new();
+    let mut tx = store.begin();
+    assert!(tx.try_receive("warehouse", id));
+    assert!(!tx.try_receive("warehouse", id), "same transaction sees its own entry");
+    tx.commit().unwrap();
+    let mut tx = store.begin();
+    assert!(!tx.try_receive("warehouse", id), "already handled");
+    assert!(tx.try_receive("billing", id), "another consumer is independent");
+    tx.commit().unwrap();
+    assert!(store.inbox_contains("billing", id));
+
+    // Two racing transactions: the second commit fails, so the effect happens once.
+    let other = MessageId::new();
+    let mut a = store.begin();
+    let mut b = store.begin();
+    assert!(a.try_receive("c", other));
+    assert!(b.try_receive("c", other));
+    a.commit().unwrap();
+    let err = b.commit().unwrap_err();
+    assert!(err.to_string().contains("already received"), "{err}");
+
+    // A rolled-back receive leaves no entry.
+    let third = MessageId::new();
+    let mut tx = store.begin();
+    assert!(tx.try_receive("c", third));
+    drop(tx);
+    assert!(!store.inbox_contains("c", third));
+}
