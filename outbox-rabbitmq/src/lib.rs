@@ -1,0 +1,1 @@
+//! outbox-rs rabbitmq backend (work in progress).

@@ -1,0 +1,1 @@
+//! outbox-rs sqlite backend (work in progress).
