@@ -1,1 +1,17 @@
-//! placeholder
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod config;
+mod relay;
+
+pub use config::RelayConfig;
+pub use relay::{DrainReport, Relay, RelayBuilder, RelayHandle};
+
+pub use outbox_api::*;
+
+/// The in-memory backend (feature `memory`).
+#[cfg(feature = "memory")]
+pub mod memory {
+    pub use outbox_memory::*;
+}

@@ -1,0 +1,114 @@
+//! Relay configuration.
+
+use std::time::Duration;
+
+use outbox_api::{Error, Result, RetryPolicy};
+
+/// Everything a relay can be told; every default follows DESIGN §5 (the
+/// system outbox-rs implements), and every field is checked at `build()`.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct RelayConfig {
+    /// The relay's identity, stored as `locked_by` (default: `relay-<pid>-<random>`).
+    pub worker_id: String,
+    /// Longest sleep between claims when nothing wakes the relay (2 s).
+    pub poll_interval: Duration,
+    /// Messages claimed at once (20).
+    pub batch_size: usize,
+    /// Counted failures before a message is poisoned (5).
+    pub max_attempts: u32,
+    /// How long a claim holds (60 s); must exceed `handler_timeout`.
+    pub lease: Duration,
+    /// Longest a domain handler may run before it counts as failed (30 s).
+    pub handler_timeout: Duration,
+    /// Domain handlers run at once within a batch (64).
+    pub concurrency: usize,
+    /// When a failed message is tried again (`NextRound`: one poll interval later).
+    pub retry_policy: RetryPolicy,
+    /// Processed messages are purged after this long (7 days); `None` keeps them.
+    pub retention: Option<Duration>,
+    /// How often the purge runs (1 min).
+    pub purge_interval: Duration,
+    /// Rows deleted per purge statement (500), so writers never wait long.
+    pub purge_batch: usize,
+    /// Health turns Degraded when a pending message is older than this (5 min).
+    pub backlog_age_alert: Duration,
+    /// First wait before probing a transport that went down (100 ms).
+    pub probe_initial: Duration,
+    /// Longest wait between probes (5 s).
+    pub probe_max: Duration,
+    /// Wait after a store error before trying again (1 s).
+    pub store_error_backoff: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        RelayConfig {
+            worker_id: format!("relay-{}-{:08x}", std::process::id(), fastrand::u32(..)),
+            poll_interval: Duration::from_secs(2),
+            batch_size: 20,
+            max_attempts: 5,
+            lease: Duration::from_secs(60),
+            handler_timeout: Duration::from_secs(30),
+            concurrency: 64,
+            retry_policy: RetryPolicy::NextRound,
+            retention: Some(Duration::from_secs(7 * 24 * 3600)),
+            purge_interval: Duration::from_secs(60),
+            purge_batch: 500,
+            backlog_age_alert: Duration::from_secs(300),
+            probe_initial: Duration::from_millis(100),
+            probe_max: Duration::from_secs(5),
+            store_error_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// Checks every field, naming the first that is wrong.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |field: &str, d: Duration| {
+            if d.is_zero() {
+                Err(Error::config(field, "must be greater than zero"))
+            } else {
+                Ok(())
+            }
+        };
+        if self.worker_id.trim().is_empty() {
+            return Err(Error::config("worker_id", "must not be empty"));
+        }
+        positive("poll_interval", self.poll_interval)?;
+        positive("lease", self.lease)?;
+        positive("handler_timeout", self.handler_timeout)?;
+        positive("purge_interval", self.purge_interval)?;
+        positive("probe_initial", self.probe_initial)?;
+        positive("store_error_backoff", self.store_error_backoff)?;
+        if self.batch_size == 0 {
+            return Err(Error::config("batch_size", "must be at least 1"));
+        }
+        if self.max_attempts == 0 {
+            return Err(Error::config("max_attempts", "must be at least 1"));
+        }
+        if self.concurrency == 0 {
+            return Err(Error::config("concurrency", "must be at least 1"));
+        }
+        if self.purge_batch == 0 {
+            return Err(Error::config("purge_batch", "must be at least 1"));
+        }
+        if self.lease <= self.handler_timeout {
+            return Err(Error::config(
+                "lease",
+                format!(
+                    "({:?}) must be longer than `handler_timeout` ({:?}), or a slow handler's message could be taken by another relay while it runs",
+                    self.lease, self.handler_timeout
+                ),
+            ));
+        }
+        if self.probe_max < self.probe_initial {
+            return Err(Error::config("probe_max", "must not be shorter than `probe_initial`"));
+        }
+        if let Some(r) = self.retention {
+            positive("retention", r)?;
+        }
+        self.retry_policy.validate()
+    }
+}
