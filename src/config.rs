@@ -104,7 +104,10 @@ impl RelayConfig {
             ));
         }
         if self.probe_max < self.probe_initial {
-            return Err(Error::config("probe_max", "must not be shorter than `probe_initial`"));
+            return Err(Error::config(
+                "probe_max",
+                "must not be shorter than `probe_initial`",
+            ));
         }
         if let Some(r) = self.retention {
             positive("retention", r)?;

@@ -284,7 +284,10 @@ impl Relay {
     /// Which kinds this relay can deliver right now; `None` inside means both.
     fn claimable_kinds(&self) -> Option<Option<MessageKind>> {
         let transport_up = self.inner.transport.is_some()
-            && matches!(lock(&self.inner.transport_state).health, TransportHealth::Up);
+            && matches!(
+                lock(&self.inner.transport_state).health,
+                TransportHealth::Up
+            );
         match (self.inner.dispatcher.is_some(), transport_up) {
             (true, true) => Some(None),
             (true, false) => Some(Some(MessageKind::Domain)),
@@ -416,7 +419,9 @@ impl Relay {
                 .release(&Release {
                     worker: self.inner.config.worker_id.clone(),
                     ids: to_release.clone(),
-                    error: outage.clone().map(|r| format!("transport unavailable: {r}")),
+                    error: outage
+                        .clone()
+                        .map(|r| format!("transport unavailable: {r}")),
                     available_at: now,
                 })
                 .await?;
@@ -433,7 +438,12 @@ impl Relay {
         Ok(report)
     }
 
-    async fn record_failure(&self, m: &Message, error: String, report: &mut DrainReport) -> Result<()> {
+    async fn record_failure(
+        &self,
+        m: &Message,
+        error: String,
+        report: &mut DrainReport,
+    ) -> Result<()> {
         let cfg = &self.inner.config;
         let now = self.now();
         let retry_at = now.add(cfg.retry_policy.delay(m.attempts + 1, cfg.poll_interval));
@@ -491,8 +501,8 @@ impl Relay {
         let domain = async {
             stream::iter(jobs)
                 .buffer_unordered(self.inner.config.concurrency)
-            .collect::<Vec<_>>()
-            .await
+                .collect::<Vec<_>>()
+                .await
         };
         let integration = async {
             if integration_idx.is_empty() {
@@ -500,7 +510,11 @@ impl Relay {
             }
             let msgs: Vec<Message> = integration_idx.iter().map(|&i| wave[i].clone()).collect();
             let outcomes = self.send(&msgs).await;
-            integration_idx.iter().copied().zip(outcomes).collect::<Vec<_>>()
+            integration_idx
+                .iter()
+                .copied()
+                .zip(outcomes)
+                .collect::<Vec<_>>()
         };
         let (d, i) = tokio::join!(domain, integration);
         let mut results: Vec<Option<Result1>> = (0..wave.len()).map(|_| None).collect();
@@ -520,7 +534,10 @@ impl Relay {
         };
         let timeout = self.inner.config.handler_timeout;
         let run = AssertUnwindSafe(dispatcher.dispatch(m)).catch_unwind();
-        let result = match tokio::time::timeout(timeout, run).instrument(span.clone()).await {
+        let result = match tokio::time::timeout(timeout, run)
+            .instrument(span.clone())
+            .await
+        {
             Ok(Ok(Ok(()))) => Result1::Done,
             Ok(Ok(Err(e))) => Result1::Failed(error_chain(&*e)),
             Ok(Err(panic)) => Result1::Failed(format!("handler panicked: {}", panic_text(&panic))),
@@ -533,7 +550,10 @@ impl Relay {
     async fn send(&self, msgs: &[Message]) -> Vec<Result1> {
         let spans: Vec<Span> = msgs.iter().map(Self::delivery_span).collect();
         let Some(transport) = &self.inner.transport else {
-            return msgs.iter().map(|_| Result1::Unavailable("no transport configured".into())).collect();
+            return msgs
+                .iter()
+                .map(|_| Result1::Unavailable("no transport configured".into()))
+                .collect();
         };
         let sent = AssertUnwindSafe(transport.send(msgs)).catch_unwind().await;
         let mut outcomes = match sent {
@@ -545,8 +565,15 @@ impl Relay {
             }
         };
         if outcomes.len() != msgs.len() {
-            tracing::error!(expected = msgs.len(), got = outcomes.len(), "transport returned the wrong number of outcomes; the rest count as unavailable");
-            outcomes.resize(msgs.len(), Outcome::Unavailable("transport returned no outcome".into()));
+            tracing::error!(
+                expected = msgs.len(),
+                got = outcomes.len(),
+                "transport returned the wrong number of outcomes; the rest count as unavailable"
+            );
+            outcomes.resize(
+                msgs.len(),
+                Outcome::Unavailable("transport returned no outcome".into()),
+            );
         }
         outcomes
             .into_iter()
@@ -575,11 +602,15 @@ impl Relay {
 
     /// Probes a paused transport if its probe is due; returns whether it is up.
     async fn probe_if_due(&self) {
-        let Some(transport) = &self.inner.transport else { return };
+        let Some(transport) = &self.inner.transport else {
+            return;
+        };
         {
             let st = lock(&self.inner.transport_state);
             match st.next_probe {
-                Some(at) if matches!(st.health, TransportHealth::Down(_)) && at <= tokio::time::Instant::now() => {}
+                Some(at)
+                    if matches!(st.health, TransportHealth::Down(_))
+                        && at <= tokio::time::Instant::now() => {}
                 _ => return,
             }
         }
@@ -598,7 +629,8 @@ impl Relay {
             }
             Err(panic) => {
                 st.backoff = (st.backoff * 2).min(self.inner.config.probe_max);
-                st.health = TransportHealth::Down(format!("probe panicked: {}", panic_text(&panic)));
+                st.health =
+                    TransportHealth::Down(format!("probe panicked: {}", panic_text(&panic)));
                 st.next_probe = Some(tokio::time::Instant::now() + st.backoff);
             }
         }
@@ -650,7 +682,9 @@ impl Relay {
             ));
         }
         if poisoned > 0 {
-            reasons.push(format!("{poisoned} poisoned message(s) wait for an operator"));
+            reasons.push(format!(
+                "{poisoned} poisoned message(s) wait for an operator"
+            ));
         }
         if let TransportHealth::Down(r) = &transport {
             reasons.push(format!("transport down: {r}"));
@@ -694,7 +728,9 @@ impl Relay {
             };
             if cfg.retention.is_some() && tokio::time::Instant::now() >= next_purge {
                 match self.purge().await {
-                    Ok(n) if n > 0 => tracing::info!(purged = n, "purged processed messages past retention"),
+                    Ok(n) if n > 0 => {
+                        tracing::info!(purged = n, "purged processed messages past retention")
+                    }
                     Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
                 }
@@ -785,10 +821,16 @@ impl RelayHandle {
                 return Ok(());
             }
             if !inner.running.load(Ordering::SeqCst) {
-                return Err(Error::new(outbox_api::ErrorKind::Conflict, "the relay has stopped"));
+                return Err(Error::new(
+                    outbox_api::ErrorKind::Conflict,
+                    "the relay has stopped",
+                ));
             }
             if idle.changed().await.is_err() {
-                return Err(Error::new(outbox_api::ErrorKind::Conflict, "the relay has stopped"));
+                return Err(Error::new(
+                    outbox_api::ErrorKind::Conflict,
+                    "the relay has stopped",
+                ));
             }
         }
     }

@@ -18,7 +18,10 @@ impl StoreUnderTest for Mem {
     }
     async fn try_enqueue(&self, messages: Vec<NewMessage>) -> Result<Vec<MessageId>> {
         let mut tx = self.0.begin();
-        let ids = messages.into_iter().map(|m| tx.enqueue(m)).collect::<Result<Vec<_>>>()?;
+        let ids = messages
+            .into_iter()
+            .map(|m| tx.enqueue(m))
+            .collect::<Result<Vec<_>>>()?;
         tx.commit()?;
         Ok(ids)
     }

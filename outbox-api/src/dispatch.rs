@@ -140,7 +140,10 @@ impl Handlers {
             let fut = handler(m);
             Box::pin(async move { fut.await.map_err(Into::into) })
         });
-        self.by_type.entry(message_type.into()).or_default().push(erased);
+        self.by_type
+            .entry(message_type.into())
+            .or_default()
+            .push(erased);
         self
     }
 
@@ -152,7 +155,11 @@ impl Handlers {
 
 impl fmt::Debug for Handlers {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut types: Vec<_> = self.by_type.iter().map(|(t, h)| (t.as_str(), h.len())).collect();
+        let mut types: Vec<_> = self
+            .by_type
+            .iter()
+            .map(|(t, h)| (t.as_str(), h.len()))
+            .collect();
         types.sort();
         f.debug_struct("Handlers").field("types", &types).finish()
     }

@@ -154,12 +154,7 @@ pub fn redact_url(url: &str) -> String {
     } else {
         user.to_owned()
     };
-    format!(
-        "{}://{}{}",
-        &url[..scheme_end],
-        redacted,
-        &rest[at..]
-    )
+    format!("{}://{}{}", &url[..scheme_end], redacted, &rest[at..])
 }
 
 #[cfg(test)]

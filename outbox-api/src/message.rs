@@ -73,12 +73,14 @@ impl Timestamp {
         self.0
     }
 
-    /// This time plus `d` (saturating).
+    /// This time plus `d` (saturating; also available as `+`).
+    #[allow(clippy::should_implement_trait)]
     pub fn add(self, d: Duration) -> Self {
         Timestamp(self.0.saturating_add(duration_millis(d)))
     }
 
-    /// This time minus `d` (saturating).
+    /// This time minus `d` (saturating; also available as `-`).
+    #[allow(clippy::should_implement_trait)]
     pub fn sub(self, d: Duration) -> Self {
         Timestamp(self.0.saturating_sub(duration_millis(d)))
     }
@@ -86,6 +88,20 @@ impl Timestamp {
     /// How long after `earlier` this is; zero if it is not later.
     pub fn since(self, earlier: Timestamp) -> Duration {
         Duration::from_millis(self.0.saturating_sub(earlier.0).max(0) as u64)
+    }
+}
+
+impl std::ops::Add<Duration> for Timestamp {
+    type Output = Timestamp;
+    fn add(self, d: Duration) -> Timestamp {
+        Timestamp::add(self, d)
+    }
+}
+
+impl std::ops::Sub<Duration> for Timestamp {
+    type Output = Timestamp;
+    fn sub(self, d: Duration) -> Timestamp {
+        Timestamp::sub(self, d)
     }
 }
 
@@ -320,7 +336,11 @@ pub struct NewMessage {
 
 impl NewMessage {
     /// A message with a raw payload.
-    pub fn new(kind: MessageKind, message_type: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+    pub fn new(
+        kind: MessageKind,
+        message_type: impl Into<String>,
+        payload: impl Into<Vec<u8>>,
+    ) -> Self {
         NewMessage {
             kind,
             message_type: message_type.into(),
@@ -367,7 +387,11 @@ impl NewMessage {
     }
 
     /// Publishes to `exchange` with `routing_key` (integration messages).
-    pub fn destination(mut self, exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
+    pub fn destination(
+        mut self,
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+    ) -> Self {
         self.destination = Some(Destination {
             exchange: exchange.into(),
             routing_key: routing_key.into(),
@@ -504,7 +528,9 @@ fn check_text(field: &str, value: &str, max: usize) -> Result<()> {
 pub fn is_valid_traceparent(s: &str) -> bool {
     let parts: Vec<&str> = s.split('-').collect();
     let hex = |p: &str, n: usize| {
-        p.len() == n && p.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        p.len() == n
+            && p.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     };
     parts.len() == 4
         && hex(parts[0], 2)
@@ -522,7 +548,10 @@ mod tests {
 
     #[test]
     fn timestamp_formats_rfc3339() {
-        assert_eq!(Timestamp::from_millis(0).to_string(), "1970-01-01T00:00:00.000Z");
+        assert_eq!(
+            Timestamp::from_millis(0).to_string(),
+            "1970-01-01T00:00:00.000Z"
+        );
         assert_eq!(
             Timestamp::from_millis(1_764_441_600_123).to_string(),
             "2025-11-29T18:40:00.123Z"
@@ -532,13 +561,33 @@ mod tests {
     #[test]
     fn validation_names_the_field() {
         let m = NewMessage::new(MessageKind::Domain, "", b"x".to_vec());
-        assert!(m.validate().unwrap_err().to_string().contains("message_type"));
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("message_type")
+        );
         let m = NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()).header("a b", "v");
-        assert!(m.validate().unwrap_err().to_string().contains("header name"));
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("header name")
+        );
         let m = NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()).trace_parent("nope");
-        assert!(m.validate().unwrap_err().to_string().contains("trace_parent"));
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("trace_parent")
+        );
         let m = NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()).destination("e", "k");
-        assert!(m.validate().unwrap_err().to_string().contains("destination"));
+        assert!(
+            m.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("destination")
+        );
         let m = NewMessage::new(MessageKind::Integration, "T", vec![0xff, 0])
             .key("k")
             .trace_parent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
@@ -550,6 +599,9 @@ mod tests {
         let mut map = std::collections::HashMap::new();
         map.insert((1, 2), 3);
         let err = NewMessage::json(MessageKind::Domain, "Bad", &map).unwrap_err();
-        assert!(err.to_string().contains("`Bad` does not serialise"), "{err}");
+        assert!(
+            err.to_string().contains("`Bad` does not serialise"),
+            "{err}"
+        );
     }
 }

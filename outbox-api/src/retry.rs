@@ -5,11 +5,12 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 
 /// When a message whose delivery failed (a counted attempt) may be claimed again.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Default)]
 #[non_exhaustive]
 pub enum RetryPolicy {
     /// At the relay's next round: one `poll_interval` later (the original
     /// system's behaviour, and the default).
+    #[default]
     NextRound,
     /// After a fixed delay.
     Fixed(Duration),
@@ -25,12 +26,6 @@ pub enum RetryPolicy {
         /// Fraction of the delay that is randomised (0.0–1.0).
         jitter: f64,
     },
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        RetryPolicy::NextRound
-    }
 }
 
 impl RetryPolicy {
@@ -54,13 +49,22 @@ impl RetryPolicy {
         } = self
         {
             if initial > max {
-                return Err(Error::config("retry_policy.initial", "must not exceed `max`"));
+                return Err(Error::config(
+                    "retry_policy.initial",
+                    "must not exceed `max`",
+                ));
             }
             if !(multiplier.is_finite() && *multiplier >= 1.0) {
-                return Err(Error::config("retry_policy.multiplier", "must be a number ≥ 1.0"));
+                return Err(Error::config(
+                    "retry_policy.multiplier",
+                    "must be a number ≥ 1.0",
+                ));
             }
             if !(0.0..=1.0).contains(jitter) {
-                return Err(Error::config("retry_policy.jitter", "must be between 0.0 and 1.0"));
+                return Err(Error::config(
+                    "retry_policy.jitter",
+                    "must be between 0.0 and 1.0",
+                ));
             }
         }
         Ok(())

@@ -81,7 +81,9 @@ impl MemoryStore {
 
     /// Whether `consumer` has recorded `message_id` in its inbox (committed).
     pub fn inbox_contains(&self, consumer: &str, message_id: MessageId) -> bool {
-        self.lock().inbox.contains_key(&(consumer.to_owned(), message_id))
+        self.lock()
+            .inbox
+            .contains_key(&(consumer.to_owned(), message_id))
     }
 
     /// Deletes inbox entries received before `before`; returns how many.
@@ -148,7 +150,10 @@ impl MemoryTransaction {
             if inner.by_id.contains_key(&m.id) || !ids.insert(m.id) {
                 return Err(Error::new(
                     ErrorKind::Conflict,
-                    format!("message id {} exists already; the transaction was rolled back", m.id),
+                    format!(
+                        "message id {} exists already; the transaction was rolled back",
+                        m.id
+                    ),
                 ));
             }
         }
@@ -203,11 +208,15 @@ impl Inner {
     }
 
     fn set_state(&mut self, seq: u64, state: MessageState, now: Timestamp) {
-        let Some(m) = self.rows.get_mut(&seq) else { return };
+        let Some(m) = self.rows.get_mut(&seq) else {
+            return;
+        };
         match m.state {
             MessageState::Pending => self.pending.remove(&seq),
             MessageState::Poisoned => self.poisoned.remove(&seq),
-            MessageState::Processed => self.processed.remove(&(m.processed_at.unwrap_or_default(), seq)),
+            MessageState::Processed => self
+                .processed
+                .remove(&(m.processed_at.unwrap_or_default(), seq)),
         };
         m.state = state;
         m.locked_by = None;
@@ -384,7 +393,10 @@ impl OperatorStore for MemoryStore {
         if m.state != MessageState::Poisoned {
             return Err(Error::new(
                 ErrorKind::Conflict,
-                format!("message {id} is {}, not poisoned; only poisoned messages can be retried", m.state),
+                format!(
+                    "message {id} is {}, not poisoned; only poisoned messages can be retried",
+                    m.state
+                ),
             ));
         }
         m.attempts = 0;

@@ -140,7 +140,10 @@ impl Transport for MemoryTransport {
                     return Outcome::Unavailable(reason.clone());
                 }
                 if s.reject_types.contains(&m.message_type) || s.reject_ids.contains(&m.id) {
-                    return Outcome::Rejected(format!("rejected by the broker (injected) for `{}`", m.message_type));
+                    return Outcome::Rejected(format!(
+                        "rejected by the broker (injected) for `{}`",
+                        m.message_type
+                    ));
                 }
                 if let Some(n) = s.down_after.as_mut() {
                     *n -= 1;

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use outbox_api::testing::{StoreUnderTest, TransportUnderTest};
-use outbox_api::{Message, MessageId, MessageKind, NewMessage, OperatorStore, Result, Timestamp, Transport};
+use outbox_api::{
+    Message, MessageId, MessageKind, NewMessage, OperatorStore, Result, Timestamp, Transport,
+};
 use outbox_memory::{MemoryStore, MemoryTransport, MemoryTransportHandle};
 
 struct Mem(MemoryStore);
@@ -16,7 +18,10 @@ impl StoreUnderTest for Mem {
     }
     async fn try_enqueue(&self, messages: Vec<NewMessage>) -> Result<Vec<MessageId>> {
         let mut tx = self.0.begin();
-        let ids = messages.into_iter().map(|m| tx.enqueue(m)).collect::<Result<Vec<_>>>()?;
+        let ids = messages
+            .into_iter()
+            .map(|m| tx.enqueue(m))
+            .collect::<Result<Vec<_>>>()?;
         tx.commit()?;
         Ok(ids)
     }
@@ -77,11 +82,17 @@ fn inbox_turns_duplicates_into_one_effect() {
     let id = MessageId::new();
     let mut tx = store.begin();
     assert!(tx.try_receive("warehouse", id));
-    assert!(!tx.try_receive("warehouse", id), "same transaction sees its own entry");
+    assert!(
+        !tx.try_receive("warehouse", id),
+        "same transaction sees its own entry"
+    );
     tx.commit().unwrap();
     let mut tx = store.begin();
     assert!(!tx.try_receive("warehouse", id), "already handled");
-    assert!(tx.try_receive("billing", id), "another consumer is independent");
+    assert!(
+        tx.try_receive("billing", id),
+        "another consumer is independent"
+    );
     tx.commit().unwrap();
     assert!(store.inbox_contains("billing", id));
 

@@ -111,7 +111,10 @@ pub async fn get(f: &Fixture, id: MessageId) -> Message {
     f.store().get(id).await.unwrap().expect("message exists")
 }
 
-pub async fn wait_until<Fut: std::future::Future<Output = bool>>(what: &str, cond: impl FnMut() -> Fut) {
+pub async fn wait_until<Fut: std::future::Future<Output = bool>>(
+    what: &str,
+    cond: impl FnMut() -> Fut,
+) {
     outbox::testing::wait_until(what, DEADLINE, cond).await;
 }
 
@@ -124,7 +127,10 @@ pub async fn original_configuration(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
     let relay = relay(&f, &clock, &log).build().unwrap();
     let cfg = relay.config();
-    assert_eq!((cfg.poll_interval, cfg.batch_size, cfg.max_attempts), (Duration::from_secs(2), 20, 5));
+    assert_eq!(
+        (cfg.poll_interval, cfg.batch_size, cfg.max_attempts),
+        (Duration::from_secs(2), 20, 5)
+    );
     assert_eq!(cfg.retry_policy, outbox::RetryPolicy::NextRound);
     let id = f.enqueue(vec![dmsg("Fail", 1)]).await[0];
     for attempt in 1..=5u32 {
@@ -134,16 +140,28 @@ pub async fn original_configuration(f: Fixture, clock: Arc<ManualClock>) {
         assert_eq!(m.attempts, attempt);
         if attempt < 5 {
             assert_eq!((r.failed, m.state), (1, MessageState::Pending));
-            assert_eq!(relay.drain().await.unwrap().batches, 0, "not retried within the round");
+            assert_eq!(
+                relay.drain().await.unwrap().batches,
+                0,
+                "not retried within the round"
+            );
             clock.advance(Duration::from_millis(1999));
-            assert_eq!(relay.drain().await.unwrap().batches, 0, "not before the next round");
+            assert_eq!(
+                relay.drain().await.unwrap().batches,
+                0,
+                "not before the next round"
+            );
             clock.advance(Duration::from_millis(1));
         } else {
             assert_eq!((r.poisoned, m.state), (1, MessageState::Poisoned));
         }
     }
     clock.advance(Duration::from_secs(3600));
-    assert_eq!(relay.drain().await.unwrap().batches, 0, "poison waits for a human");
+    assert_eq!(
+        relay.drain().await.unwrap().batches,
+        0,
+        "poison waits for a human"
+    );
     assert_eq!(log.len(), 5);
 }
 
@@ -164,9 +182,20 @@ pub async fn batches_drain_until_empty(f: Fixture, clock: Arc<ManualClock>) {
 /// types count against their own message only.
 pub async fn each_message_in_its_own_scope(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
-    let relay = relay(&f, &clock, &log).handler_timeout(Duration::from_millis(200)).lease(Duration::from_secs(5)).build().unwrap();
+    let relay = relay(&f, &clock, &log)
+        .handler_timeout(Duration::from_millis(200))
+        .lease(Duration::from_secs(5))
+        .build()
+        .unwrap();
     let ids = f
-        .enqueue(vec![dmsg("Ok", 1), dmsg("Fail", 2), dmsg("Panic", 3), dmsg("Slow", 4), dmsg("Nobody", 5), dmsg("Ok", 6)])
+        .enqueue(vec![
+            dmsg("Ok", 1),
+            dmsg("Fail", 2),
+            dmsg("Panic", 3),
+            dmsg("Slow", 4),
+            dmsg("Nobody", 5),
+            dmsg("Ok", 6),
+        ])
         .await;
     let r = relay.drain().await.unwrap();
     assert_eq!((r.delivered, r.failed), (2, 4));
@@ -194,7 +223,11 @@ pub async fn each_message_in_its_own_scope(f: Fixture, clock: Arc<ManualClock>) 
     assert!(err(1).await.contains("the handler refused it"));
     assert!(err(2).await.contains("panicked: handler blew up"));
     assert!(err(3).await.contains("timed out"));
-    assert!(err(4).await.contains("no handler registered for message type `Nobody`"));
+    assert!(
+        err(4)
+            .await
+            .contains("no handler registered for message type `Nobody`")
+    );
 }
 
 /// Marked processed only after the handler returned Ok / the broker confirmed.
@@ -212,14 +245,22 @@ pub async fn processed_only_after_success(f: Fixture, clock: Arc<ManualClock>) {
             Ok::<_, std::io::Error>(())
         }
     });
-    let relay = Relay::builder_shared(store.clone()).clock(clock.clone()).dispatcher(handlers).build().unwrap();
+    let relay = Relay::builder_shared(store.clone())
+        .clock(clock.clone())
+        .dispatcher(handlers)
+        .build()
+        .unwrap();
     let id = f.enqueue(vec![dmsg("Gated", 1)]).await[0];
     let drain = tokio::spawn({
         let relay = relay.clone();
         async move { relay.drain().await }
     });
     seen.notified().await;
-    assert_eq!(get(&f, id).await.state, MessageState::Pending, "not processed while the handler runs");
+    assert_eq!(
+        get(&f, id).await.state,
+        MessageState::Pending,
+        "not processed while the handler runs"
+    );
     gate.notify_one();
     drain.await.unwrap().unwrap();
     assert_eq!(get(&f, id).await.state, MessageState::Processed);
@@ -230,13 +271,21 @@ pub async fn processed_only_after_success(f: Fixture, clock: Arc<ManualClock>) {
     let id = f.enqueue(vec![imsg("Out", 1)]).await[0];
     relay.drain().await.unwrap();
     let m = get(&f, id).await;
-    assert_eq!((m.state, m.attempts), (MessageState::Pending, 1), "a rejected message is not processed");
+    assert_eq!(
+        (m.state, m.attempts),
+        (MessageState::Pending, 1),
+        "a rejected message is not processed"
+    );
     assert!(m.last_error.unwrap().contains("rejected by the broker"));
     drop(log);
 }
 
 fn relay_with_transport_only(f: &Fixture, clock: &Arc<ManualClock>, t: MemoryTransport) -> Relay {
-    Relay::builder_shared(f.store()).clock(clock.clone()).transport(t).build().unwrap()
+    Relay::builder_shared(f.store())
+        .clock(clock.clone())
+        .transport(t)
+        .build()
+        .unwrap()
 }
 
 /// A broker outage never counts an attempt: the transport is paused and
@@ -245,18 +294,29 @@ fn relay_with_transport_only(f: &Fixture, clock: &Arc<ManualClock>, t: MemoryTra
 pub async fn outage_does_not_count(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
     let (b, h) = relay_with_transport(&f, &clock, &log);
-    let relay = b.probe_initial(Duration::from_millis(1)).probe_max(Duration::from_millis(5)).build().unwrap();
+    let relay = b
+        .probe_initial(Duration::from_millis(1))
+        .probe_max(Duration::from_millis(5))
+        .build()
+        .unwrap();
     h.go_down_after(3);
     let ids = f.enqueue((0..10).map(|n| imsg("Out", n)).collect()).await;
     let r = relay.drain().await.unwrap();
     assert_eq!((r.delivered, r.failed, r.released), (3, 0, 7));
     for id in &ids[3..] {
         let m = get(&f, *id).await;
-        assert_eq!((m.attempts, m.state), (0, MessageState::Pending), "outages never count");
+        assert_eq!(
+            (m.attempts, m.state),
+            (0, MessageState::Pending),
+            "outages never count"
+        );
         assert!(m.last_error.unwrap().contains("transport unavailable"));
     }
     let health = relay.health().await;
-    assert!(matches!(health.transport, TransportHealth::Down(_)), "{health:?}");
+    assert!(
+        matches!(health.transport, TransportHealth::Down(_)),
+        "{health:?}"
+    );
     // Domain messages still flow while the transport is paused.
     f.enqueue(vec![dmsg("Ok", 99)]).await;
     wait_until("the paused transport is probed", || async {
@@ -289,12 +349,22 @@ pub async fn crash_redelivers_after_lease(f: Fixture, clock: Arc<ManualClock>) {
     let lease = Duration::from_secs(60);
     let claimed = f
         .store()
-        .claim(&ClaimRequest { worker: "crashed".into(), limit: 10, lease, now: clock.now_ts(), kind: None })
+        .claim(&ClaimRequest {
+            worker: "crashed".into(),
+            limit: 10,
+            lease,
+            now: clock.now_ts(),
+            kind: None,
+        })
         .await
         .unwrap();
     assert_eq!(claimed.len(), 1);
     let relay = relay(&f, &clock, &log).build().unwrap();
-    assert_eq!(relay.drain().await.unwrap().batches, 0, "a live lease is respected");
+    assert_eq!(
+        relay.drain().await.unwrap().batches,
+        0,
+        "a live lease is respected"
+    );
     clock.advance(lease);
     assert_eq!(relay.drain().await.unwrap().delivered, 1);
     assert_eq!(log.ids(), [id]);
@@ -324,15 +394,24 @@ pub async fn many_relays_deliver_each_once(f: Fixture, clock: Arc<ManualClock>) 
     }
     let mut ids = Vec::new();
     for chunk in 0..20 {
-        ids.extend(f.enqueue((0..25).map(|n| dmsg("Ok", chunk * 25 + n)).collect()).await);
+        ids.extend(
+            f.enqueue((0..25).map(|n| dmsg("Ok", chunk * 25 + n)).collect())
+                .await,
+        );
     }
-    wait_until("every message is processed", || async { f.store().stats().await.unwrap().processed == 500 }).await;
+    wait_until("every message is processed", || async {
+        f.store().stats().await.unwrap().processed == 500
+    })
+    .await;
     for h in &handles {
         h.shutdown().await;
     }
     let counts = counts.lock().unwrap();
     assert_eq!(counts.len(), 500);
-    assert!(counts.values().all(|&n| n == 1), "a message was delivered twice while its lease held");
+    assert!(
+        counts.values().all(|&n| n == 1),
+        "a message was delivered twice while its lease held"
+    );
     assert!(ids.iter().all(|id| counts.contains_key(id)));
 }
 
@@ -356,18 +435,32 @@ pub async fn per_key_order(f: Fixture, clock: Arc<ManualClock>) {
         m
     };
     let first = per_key(&log);
-    assert_eq!(first[&0], (0..30).step_by(3).collect::<Vec<_>>(), "key k0 in commit order");
-    assert_eq!(first[&2], (2..30).step_by(3).collect::<Vec<_>>(), "key k2 in commit order");
+    assert_eq!(
+        first[&0],
+        (0..30).step_by(3).collect::<Vec<_>>(),
+        "key k0 in commit order"
+    );
+    assert_eq!(
+        first[&2],
+        (2..30).step_by(3).collect::<Vec<_>>(),
+        "key k2 in commit order"
+    );
     assert_eq!(first[&1], [1, 4], "k1 stops at its failing message");
     // Fix the cause: the failed message is retried next round, then the rest of k1 in order.
     clock.advance(Duration::from_secs(2));
     let store = f.store();
     let failing = log.ids()[log.payloads().iter().position(|p| p == "4").unwrap()];
     assert_eq!(get(&f, failing).await.attempts, 1);
-    store.discard(failing, "test", clock.now_ts()).await.unwrap();
+    store
+        .discard(failing, "test", clock.now_ts())
+        .await
+        .unwrap();
     relay.drain().await.unwrap();
     let after = per_key(&log);
-    assert_eq!(after[&1], [vec![1, 4], (7..30).step_by(3).collect::<Vec<_>>()].concat());
+    assert_eq!(
+        after[&1],
+        [vec![1, 4], (7..30).step_by(3).collect::<Vec<_>>()].concat()
+    );
 }
 
 /// A poisoned message parks only its own key until a human retries it.
@@ -375,20 +468,43 @@ pub async fn poison_parks_only_its_key(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
     let relay = relay(&f, &clock, &log).max_attempts(1).build().unwrap();
     let ids = f
-        .enqueue(vec![dmsg("Fail", 0).key("bad"), dmsg("Ok", 1).key("bad"), dmsg("Ok", 2).key("good"), dmsg("Ok", 3)])
+        .enqueue(vec![
+            dmsg("Fail", 0).key("bad"),
+            dmsg("Ok", 1).key("bad"),
+            dmsg("Ok", 2).key("good"),
+            dmsg("Ok", 3),
+        ])
         .await;
     let r = relay.drain().await.unwrap();
     assert_eq!((r.poisoned, r.delivered), (1, 2));
     assert_eq!(get(&f, ids[0]).await.state, MessageState::Poisoned);
-    assert_eq!(get(&f, ids[1]).await.state, MessageState::Pending, "parked behind the poison");
+    assert_eq!(
+        get(&f, ids[1]).await.state,
+        MessageState::Pending,
+        "parked behind the poison"
+    );
     clock.advance(Duration::from_secs(3600));
     relay.drain().await.unwrap();
-    assert_eq!(get(&f, ids[1]).await.state, MessageState::Pending, "still parked: only a human unblocks it");
-    f.store().retry(ids[0], "ops", clock.now_ts()).await.unwrap();
+    assert_eq!(
+        get(&f, ids[1]).await.state,
+        MessageState::Pending,
+        "still parked: only a human unblocks it"
+    );
+    f.store()
+        .retry(ids[0], "ops", clock.now_ts())
+        .await
+        .unwrap();
     relay.drain().await.unwrap();
     let m = get(&f, ids[0]).await;
-    assert_eq!((m.state, m.attempts), (MessageState::Poisoned, 1), "retried once more and failed again");
-    f.store().discard(ids[0], "ops", clock.now_ts()).await.unwrap();
+    assert_eq!(
+        (m.state, m.attempts),
+        (MessageState::Poisoned, 1),
+        "retried once more and failed again"
+    );
+    f.store()
+        .discard(ids[0], "ops", clock.now_ts())
+        .await
+        .unwrap();
     relay.drain().await.unwrap();
     assert_eq!(get(&f, ids[1]).await.state, MessageState::Processed);
 }
@@ -398,17 +514,34 @@ pub async fn poison_parks_only_its_key(f: Fixture, clock: Arc<ManualClock>) {
 pub async fn retention_purges_in_batches(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
     let day = Duration::from_secs(86_400);
-    let relay = relay(&f, &clock, &log).max_attempts(1).purge_batch(4).build().unwrap();
-    assert_eq!(relay.config().retention, Some(7 * day), "default retention is 7 days");
+    let relay = relay(&f, &clock, &log)
+        .max_attempts(1)
+        .purge_batch(4)
+        .build()
+        .unwrap();
+    assert_eq!(
+        relay.config().retention,
+        Some(7 * day),
+        "default retention is 7 days"
+    );
     f.enqueue((0..10).map(|n| dmsg("Ok", n)).collect()).await;
     f.enqueue(vec![dmsg("Fail", 10)]).await;
     relay.drain().await.unwrap();
     clock.advance(6 * day);
-    f.enqueue(vec![dmsg("Ok", 11), dmsg("Nope", 12).delay(30 * day)]).await;
+    f.enqueue(vec![dmsg("Ok", 11), dmsg("Nope", 12).delay(30 * day)])
+        .await;
     relay.drain().await.unwrap();
-    assert_eq!(relay.purge().await.unwrap(), 0, "nothing is older than 7 days yet");
+    assert_eq!(
+        relay.purge().await.unwrap(),
+        0,
+        "nothing is older than 7 days yet"
+    );
     clock.advance(day + Duration::from_secs(1));
-    assert_eq!(relay.purge().await.unwrap(), 10, "purged in batches of 4 until done");
+    assert_eq!(
+        relay.purge().await.unwrap(),
+        10,
+        "purged in batches of 4 until done"
+    );
     let s = f.store().stats().await.unwrap();
     assert_eq!((s.processed, s.poisoned, s.pending), (1, 1, 1));
 }
@@ -428,14 +561,19 @@ pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>)
         }
     });
     // Key "k": three messages in one batch = three waves.
-    let ids = f.enqueue((0..3).map(|n| dmsg("Gated", n).key("k")).collect()).await;
+    let ids = f
+        .enqueue((0..3).map(|n| dmsg("Gated", n).key("k")).collect())
+        .await;
     let handle = Relay::builder_shared(f.store())
         .clock(clock.clone())
         .dispatcher(handlers)
         .worker_id("stopping".into())
         .spawn()
         .unwrap();
-    wait_until("the first message is in flight", || async { started.load(Ordering::SeqCst) == 1 }).await;
+    wait_until("the first message is in flight", || async {
+        started.load(Ordering::SeqCst) == 1
+    })
+    .await;
     let stop = tokio::spawn(async move {
         handle.shutdown().await;
         handle
@@ -443,12 +581,23 @@ pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>)
     // Let the in-flight handler finish only after shutdown was requested.
     tokio::task::yield_now().await;
     gate.add_permits(10);
-    let handle = tokio::time::timeout(DEADLINE, stop).await.expect("shutdown finishes").unwrap();
+    let handle = tokio::time::timeout(DEADLINE, stop)
+        .await
+        .expect("shutdown finishes")
+        .unwrap();
     assert!(!handle.is_running());
-    assert_eq!(get(&f, ids[0]).await.state, MessageState::Processed, "in-flight work finished");
+    assert_eq!(
+        get(&f, ids[0]).await.state,
+        MessageState::Processed,
+        "in-flight work finished"
+    );
     let rest = [get(&f, ids[1]).await, get(&f, ids[2]).await];
     for m in &rest {
-        assert_eq!((m.state, m.attempts, m.locked_by.as_deref()), (MessageState::Pending, 0, None), "lease given back");
+        assert_eq!(
+            (m.state, m.attempts, m.locked_by.as_deref()),
+            (MessageState::Pending, 0, None),
+            "lease given back"
+        );
     }
     assert_eq!(started.load(Ordering::SeqCst), 1, "nothing new was started");
     let health = handle.health().await;
@@ -461,25 +610,46 @@ pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>)
 pub async fn health_reports(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
     let (b, h) = relay_with_transport(&f, &clock, &log);
-    let handle = b.max_attempts(1).poll_interval(Duration::from_millis(20)).spawn().unwrap();
+    let handle = b
+        .max_attempts(1)
+        .poll_interval(Duration::from_millis(20))
+        .spawn()
+        .unwrap();
     assert_eq!(handle.health().await.status, HealthStatus::Healthy);
 
-    f.enqueue(vec![dmsg("Ok", 1).delay(Duration::from_secs(3600))]).await;
+    f.enqueue(vec![dmsg("Ok", 1).delay(Duration::from_secs(3600))])
+        .await;
     clock.advance(Duration::from_secs(301));
     let r = handle.health().await;
     assert_eq!(r.status, HealthStatus::Degraded);
-    assert!(r.reasons.iter().any(|s| s.contains("oldest pending")), "{r:?}");
+    assert!(
+        r.reasons.iter().any(|s| s.contains("oldest pending")),
+        "{r:?}"
+    );
     assert!(r.oldest_pending_age.unwrap() > Duration::from_secs(300));
     let (id,) = (f.store().list(&Default::default()).await.unwrap()[0].id,);
     f.store().discard(id, "test", clock.now_ts()).await.unwrap();
     assert_eq!(handle.health().await.status, HealthStatus::Healthy);
 
     f.enqueue(vec![dmsg("Fail", 2)]).await;
-    wait_until("the message is poisoned", || async { f.store().stats().await.unwrap().poisoned == 1 }).await;
+    wait_until("the message is poisoned", || async {
+        f.store().stats().await.unwrap().poisoned == 1
+    })
+    .await;
     let r = handle.health().await;
     assert_eq!((r.status, r.poisoned), (HealthStatus::Degraded, 1));
-    let poisoned = f.store().list(&outbox::ListQuery { state: Some(MessageState::Poisoned), ..Default::default() }).await.unwrap();
-    f.store().discard(poisoned[0].id, "test", clock.now_ts()).await.unwrap();
+    let poisoned = f
+        .store()
+        .list(&outbox::ListQuery {
+            state: Some(MessageState::Poisoned),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    f.store()
+        .discard(poisoned[0].id, "test", clock.now_ts())
+        .await
+        .unwrap();
 
     h.set_down("broker unreachable");
     f.enqueue(vec![imsg("Out", 3)]).await;
@@ -489,10 +659,19 @@ pub async fn health_reports(f: Fixture, clock: Arc<ManualClock>) {
     .await;
     let r = handle.health().await;
     assert_eq!(r.status, HealthStatus::Degraded);
-    assert!(r.reasons.iter().any(|s| s.contains("broker unreachable")), "{r:?}");
+    assert!(
+        r.reasons.iter().any(|s| s.contains("broker unreachable")),
+        "{r:?}"
+    );
     h.set_up();
-    wait_until("the message is delivered after the outage", || async { h.delivered_count() == 1 }).await;
-    wait_until("health is back", || async { handle.health().await.status == HealthStatus::Healthy }).await;
+    wait_until("the message is delivered after the outage", || async {
+        h.delivered_count() == 1
+    })
+    .await;
+    wait_until("health is back", || async {
+        handle.health().await.status == HealthStatus::Healthy
+    })
+    .await;
 
     handle.shutdown().await;
     assert_eq!(handle.health().await.status, HealthStatus::Unhealthy);
@@ -502,15 +681,29 @@ pub async fn health_reports(f: Fixture, clock: Arc<ManualClock>) {
 /// happens within the test deadline, and `until_idle` lets a test wait.
 pub async fn commit_wakes_relay(f: Fixture, clock: Arc<ManualClock>) {
     let log = Log::default();
-    let handle = relay(&f, &clock, &log).poll_interval(Duration::from_secs(3600)).spawn().unwrap();
+    let handle = relay(&f, &clock, &log)
+        .poll_interval(Duration::from_secs(3600))
+        .spawn()
+        .unwrap();
     handle.until_idle().await.unwrap();
     f.enqueue(vec![dmsg("Ok", 1)]).await;
-    wait_until("the committed message is handled without waiting for the poll", || async { log.len() == 1 }).await;
+    wait_until(
+        "the committed message is handled without waiting for the poll",
+        || async { log.len() == 1 },
+    )
+    .await;
     f.enqueue_rolled_back(vec![dmsg("Ok", 2)]).await;
     f.enqueue(vec![dmsg("Ok", 3)]).await;
-    tokio::time::timeout(DEADLINE, handle.until_idle()).await.unwrap().unwrap();
+    tokio::time::timeout(DEADLINE, handle.until_idle())
+        .await
+        .unwrap()
+        .unwrap();
     wait_until("the second commit is handled", || async { log.len() == 2 }).await;
-    assert_eq!(log.payloads(), ["1", "3"], "the rolled-back message is never delivered");
+    assert_eq!(
+        log.payloads(),
+        ["1", "3"],
+        "the rolled-back message is never delivered"
+    );
     handle.shutdown().await;
 }
 

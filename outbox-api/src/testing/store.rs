@@ -1,4 +1,4 @@
-//! Conformance of [`Store`] and [`OperatorStore`] implementations.
+//! Conformance of [`Store`](crate::Store) and [`OperatorStore`] implementations.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -23,7 +23,9 @@ pub trait StoreUnderTest: Send + Sync {
 
     /// [`try_enqueue`](StoreUnderTest::try_enqueue), failing the test on error.
     async fn enqueue(&self, messages: Vec<NewMessage>) -> Vec<MessageId> {
-        self.try_enqueue(messages).await.expect("enqueue and commit")
+        self.try_enqueue(messages)
+            .await
+            .expect("enqueue and commit")
     }
 
     /// Enqueues `messages` in one application transaction and rolls it back.
@@ -116,7 +118,11 @@ pub async fn claims_in_commit_order(s: &dyn StoreUnderTest) {
 pub async fn rolled_back_is_never_claimed(s: &dyn StoreUnderTest) {
     s.enqueue_rolled_back(vec![domain(1)]).await;
     let kept = s.enqueue(vec![domain(2)]).await;
-    let claimed = s.store().claim(&req("w", 10, t0().add(Duration::from_secs(1)))).await.unwrap();
+    let claimed = s
+        .store()
+        .claim(&req("w", 10, t0().add(Duration::from_secs(1))))
+        .await
+        .unwrap();
     assert_eq!(ids(&claimed), kept);
     assert_eq!(s.store().stats().await.unwrap().pending, 1);
 }
@@ -137,7 +143,13 @@ pub async fn leased_messages_are_not_claimed_twice(s: &dyn StoreUnderTest) {
     let now = t0().add(Duration::from_secs(1));
     assert_eq!(s.store().claim(&req("w1", 10, now)).await.unwrap().len(), 1);
     let later = now.add(LEASE - Duration::from_secs(1));
-    assert!(s.store().claim(&req("w2", 10, later)).await.unwrap().is_empty());
+    assert!(
+        s.store()
+            .claim(&req("w2", 10, later))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 /// Once a lease expires another worker takes the message over.
@@ -150,17 +162,36 @@ pub async fn expired_lease_is_reclaimed(s: &dyn StoreUnderTest) {
     assert_eq!(ids(&taken), id);
     assert_eq!(taken[0].locked_by.as_deref(), Some("w2"));
     // The first worker's late failure report must not clobber w2's lease.
-    let outcome = s.store().fail(&failure("w1", id[0], after, 5)).await.unwrap();
+    let outcome = s
+        .store()
+        .fail(&failure("w1", id[0], after, 5))
+        .await
+        .unwrap();
     assert_eq!(outcome, FailOutcome::LeaseLost);
     assert_eq!(get(s, id[0]).await.attempts, 0);
 }
 
 /// A delayed message is not claimable before `available_at`.
 pub async fn claim_honours_available_at(s: &dyn StoreUnderTest) {
-    let id = s.enqueue(vec![domain(1).delay(Duration::from_secs(60))]).await;
+    let id = s
+        .enqueue(vec![domain(1).delay(Duration::from_secs(60))])
+        .await;
     let m = get(s, id[0]).await;
-    assert!(s.store().claim(&req("w", 10, m.available_at.sub(Duration::from_millis(1)))).await.unwrap().is_empty());
-    assert_eq!(ids(&s.store().claim(&req("w", 10, m.available_at)).await.unwrap()), id);
+    assert!(
+        s.store()
+            .claim(&req("w", 10, m.available_at.sub(Duration::from_millis(1))))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        ids(&s
+            .store()
+            .claim(&req("w", 10, m.available_at))
+            .await
+            .unwrap()),
+        id
+    );
 }
 
 /// Completing marks processed, is idempotent, and processed is never claimed.
@@ -177,7 +208,13 @@ pub async fn complete_marks_processed(s: &dyn StoreUnderTest) {
         assert_eq!(m.locked_by, None);
     }
     let later = now.add(LEASE * 2);
-    assert!(s.store().claim(&req("w", 10, later)).await.unwrap().is_empty());
+    assert!(
+        s.store()
+            .claim(&req("w", 10, later))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 /// A failure counts one attempt, stores the error and reschedules.
@@ -187,13 +224,26 @@ pub async fn fail_counts_and_reschedules(s: &dyn StoreUnderTest) {
     s.store().claim(&req("w", 10, now)).await.unwrap();
     let mut f = failure("w", id, now, 5);
     f.retry_at = now.add(Duration::from_secs(10));
-    assert_eq!(s.store().fail(&f).await.unwrap(), FailOutcome::Retrying { attempts: 1 });
+    assert_eq!(
+        s.store().fail(&f).await.unwrap(),
+        FailOutcome::Retrying { attempts: 1 }
+    );
     let m = get(s, id).await;
     assert_eq!((m.attempts, m.state), (1, MessageState::Pending));
     assert_eq!(m.last_error.as_deref(), Some("handler said no"));
     assert_eq!(m.locked_by, None, "the lease is released");
-    assert!(s.store().claim(&req("w", 10, now.add(Duration::from_secs(9)))).await.unwrap().is_empty());
-    let again = s.store().claim(&req("w", 10, now.add(Duration::from_secs(10)))).await.unwrap();
+    assert!(
+        s.store()
+            .claim(&req("w", 10, now.add(Duration::from_secs(9))))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let again = s
+        .store()
+        .claim(&req("w", 10, now.add(Duration::from_secs(10))))
+        .await
+        .unwrap();
     assert_eq!(again[0].attempts, 1);
 }
 
@@ -214,23 +264,43 @@ pub async fn fail_poisons_at_max_attempts(s: &dyn StoreUnderTest) {
     let m = get(s, id).await;
     assert_eq!((m.state, m.attempts), (MessageState::Poisoned, 3));
     assert_eq!(m.last_error.as_deref(), Some("handler said no"));
-    assert!(s.store().claim(&req("w", 10, now.add(LEASE * 10))).await.unwrap().is_empty());
+    assert!(
+        s.store()
+            .claim(&req("w", 10, now.add(LEASE * 10)))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 /// Failing or releasing a message the worker does not hold changes nothing.
 pub async fn fail_without_lease_changes_nothing(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await[0];
     let now = t0().add(Duration::from_secs(1));
-    assert_eq!(s.store().fail(&failure("w", id, now, 5)).await.unwrap(), FailOutcome::LeaseLost);
+    assert_eq!(
+        s.store().fail(&failure("w", id, now, 5)).await.unwrap(),
+        FailOutcome::LeaseLost
+    );
     s.store().claim(&req("w1", 10, now)).await.unwrap();
     s.store()
-        .release(&Release { worker: "w2".into(), ids: vec![id], error: Some("x".into()), available_at: now })
+        .release(&Release {
+            worker: "w2".into(),
+            ids: vec![id],
+            error: Some("x".into()),
+            available_at: now,
+        })
         .await
         .unwrap();
     let m = get(s, id).await;
-    assert_eq!((m.attempts, m.locked_by.as_deref(), m.last_error), (0, Some("w1"), None));
+    assert_eq!(
+        (m.attempts, m.locked_by.as_deref(), m.last_error),
+        (0, Some("w1"), None)
+    );
     s.store().complete(&[id], now).await.unwrap();
-    assert_eq!(s.store().fail(&failure("w1", id, now, 5)).await.unwrap(), FailOutcome::LeaseLost);
+    assert_eq!(
+        s.store().fail(&failure("w1", id, now, 5)).await.unwrap(),
+        FailOutcome::LeaseLost
+    );
     assert_eq!(get(s, id).await.state, MessageState::Processed);
 }
 
@@ -241,64 +311,132 @@ pub async fn release_does_not_count(s: &dyn StoreUnderTest) {
     s.store().claim(&req("w", 10, now)).await.unwrap();
     let later = now.add(Duration::from_secs(5));
     s.store()
-        .release(&Release { worker: "w".into(), ids: vec![id], error: Some("broker down".into()), available_at: later })
+        .release(&Release {
+            worker: "w".into(),
+            ids: vec![id],
+            error: Some("broker down".into()),
+            available_at: later,
+        })
         .await
         .unwrap();
     let m = get(s, id).await;
     assert_eq!(m.attempts, 0, "an outage never counts");
     assert_eq!(m.last_error.as_deref(), Some("broker down"));
     assert_eq!((m.locked_by, m.available_at), (None, later));
-    assert!(s.store().claim(&req("w", 10, now)).await.unwrap().is_empty());
-    assert_eq!(s.store().claim(&req("w", 10, later)).await.unwrap().len(), 1);
+    assert!(
+        s.store()
+            .claim(&req("w", 10, now))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        s.store().claim(&req("w", 10, later)).await.unwrap().len(),
+        1
+    );
 }
 
 /// A later message of a key is not claimable while an earlier one is
 /// leased elsewhere, delayed or failed-and-waiting; in one claim both come in order.
 pub async fn same_key_waits_for_predecessor(s: &dyn StoreUnderTest) {
-    let k = s.enqueue(vec![domain(1).key("k"), domain(2).key("k"), domain(3).key("other")]).await;
+    let k = s
+        .enqueue(vec![
+            domain(1).key("k"),
+            domain(2).key("k"),
+            domain(3).key("other"),
+        ])
+        .await;
     let now = t0().add(Duration::from_secs(1));
     // One claim may take both, in order.
     let both = s.store().claim(&req("w1", 10, now)).await.unwrap();
     assert_eq!(ids(&both), k);
-    s.store().release(&Release { worker: "w1".into(), ids: k.clone(), error: None, available_at: now }).await.unwrap();
+    s.store()
+        .release(&Release {
+            worker: "w1".into(),
+            ids: k.clone(),
+            error: None,
+            available_at: now,
+        })
+        .await
+        .unwrap();
     // Claiming only the first leaves the second blocked for other workers.
-    assert_eq!(ids(&s.store().claim(&req("w1", 1, now)).await.unwrap()), k[..1]);
+    assert_eq!(
+        ids(&s.store().claim(&req("w1", 1, now)).await.unwrap()),
+        k[..1]
+    );
     let other = s.store().claim(&req("w2", 10, now)).await.unwrap();
-    assert_eq!(ids(&other), k[2..], "k's second message waits behind its leased first");
+    assert_eq!(
+        ids(&other),
+        k[2..],
+        "k's second message waits behind its leased first"
+    );
     // A failed first message (waiting for retry) still blocks its key.
     let mut f = failure("w1", k[0], now, 5);
     f.retry_at = now.add(Duration::from_secs(5));
     s.store().fail(&f).await.unwrap();
-    assert!(s.store().claim(&req("w2", 10, now)).await.unwrap().is_empty());
+    assert!(
+        s.store()
+            .claim(&req("w2", 10, now))
+            .await
+            .unwrap()
+            .is_empty()
+    );
     let later = now.add(Duration::from_secs(5));
     let next = s.store().claim(&req("w2", 1, later)).await.unwrap();
     assert_eq!(ids(&next), k[..1]);
     s.store().complete(&k[..1], later).await.unwrap();
-    assert_eq!(ids(&s.store().claim(&req("w2", 10, later)).await.unwrap()), k[1..2]);
+    assert_eq!(
+        ids(&s.store().claim(&req("w2", 10, later)).await.unwrap()),
+        k[1..2]
+    );
 }
 
 /// A poisoned message parks the rest of its key only; discard unblocks it.
 pub async fn poison_parks_only_its_key(s: &dyn StoreUnderTest) {
-    let k = s.enqueue(vec![domain(1).key("bad"), domain(2).key("bad"), domain(3).key("good"), domain(4)]).await;
+    let k = s
+        .enqueue(vec![
+            domain(1).key("bad"),
+            domain(2).key("bad"),
+            domain(3).key("good"),
+            domain(4),
+        ])
+        .await;
     let now = t0().add(Duration::from_secs(1));
     s.store().claim(&req("w", 1, now)).await.unwrap();
-    assert_eq!(s.store().fail(&failure("w", k[0], now, 1)).await.unwrap(), FailOutcome::Poisoned { attempts: 1 });
+    assert_eq!(
+        s.store().fail(&failure("w", k[0], now, 1)).await.unwrap(),
+        FailOutcome::Poisoned { attempts: 1 }
+    );
     let rest = s.store().claim(&req("w", 10, now)).await.unwrap();
     assert_eq!(ids(&rest), [k[2], k[3]], "only the poisoned key is parked");
     s.store().complete(&ids(&rest), now).await.unwrap();
     s.store().discard(k[0], "tester", now).await.unwrap();
-    assert_eq!(ids(&s.store().claim(&req("w", 10, now)).await.unwrap()), [k[1]]);
+    assert_eq!(
+        ids(&s.store().claim(&req("w", 10, now)).await.unwrap()),
+        [k[1]]
+    );
 }
 
 /// A claim for one kind takes only that kind, and never skips a key's earlier message of the other kind.
 pub async fn claim_filters_by_kind(s: &dyn StoreUnderTest) {
     let integ = NewMessage::new(MessageKind::Integration, "Out", b"{}".to_vec());
-    let k = s.enqueue(vec![integ.clone(), domain(1), integ.key("k"), domain(2).key("k")]).await;
+    let k = s
+        .enqueue(vec![
+            integ.clone(),
+            domain(1),
+            integ.key("k"),
+            domain(2).key("k"),
+        ])
+        .await;
     let now = t0().add(Duration::from_secs(1));
     let mut r = req("w", 10, now);
     r.kind = Some(MessageKind::Domain);
     let claimed = s.store().claim(&r).await.unwrap();
-    assert_eq!(ids(&claimed), [k[1]], "k's domain message waits behind its integration message");
+    assert_eq!(
+        ids(&claimed),
+        [k[1]],
+        "k's domain message waits behind its integration message"
+    );
     r.kind = Some(MessageKind::Integration);
     assert_eq!(ids(&s.store().claim(&r).await.unwrap()), [k[0], k[2]]);
 }
@@ -306,7 +444,15 @@ pub async fn claim_filters_by_kind(s: &dyn StoreUnderTest) {
 /// Stats count each state and report the oldest pending message.
 pub async fn stats_count_states(s: &dyn StoreUnderTest) {
     let empty = s.store().stats().await.unwrap();
-    assert_eq!((empty.pending, empty.poisoned, empty.processed, empty.oldest_pending_created_at), (0, 0, 0, None));
+    assert_eq!(
+        (
+            empty.pending,
+            empty.poisoned,
+            empty.processed,
+            empty.oldest_pending_created_at
+        ),
+        (0, 0, 0, None)
+    );
     let k = s.enqueue(vec![domain(1), domain(2), domain(3)]).await;
     let now = t0().add(Duration::from_secs(1));
     s.store().claim(&req("w", 2, now)).await.unwrap();
@@ -314,7 +460,10 @@ pub async fn stats_count_states(s: &dyn StoreUnderTest) {
     s.store().fail(&failure("w", k[1], now, 1)).await.unwrap();
     let st = s.store().stats().await.unwrap();
     assert_eq!((st.pending, st.poisoned, st.processed), (1, 1, 1));
-    assert_eq!(st.oldest_pending_created_at, Some(get(s, k[2]).await.created_at));
+    assert_eq!(
+        st.oldest_pending_created_at,
+        Some(get(s, k[2]).await.created_at)
+    );
 }
 
 /// Purge deletes processed messages older than the cut-off, at most `limit` a call.
@@ -324,13 +473,21 @@ pub async fn purge_removes_old_processed_in_batches(s: &dyn StoreUnderTest) {
     s.store().claim(&req("w", 4, now)).await.unwrap();
     s.store().complete(&k[..3], now).await.unwrap();
     s.store().fail(&failure("w", k[3], now, 1)).await.unwrap();
-    assert_eq!(s.store().purge_processed(now, 10).await.unwrap(), 0, "not older than the cut-off");
+    assert_eq!(
+        s.store().purge_processed(now, 10).await.unwrap(),
+        0,
+        "not older than the cut-off"
+    );
     let cut = now.add(Duration::from_millis(1));
     assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 2);
     assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 1);
     assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 0);
     let st = s.store().stats().await.unwrap();
-    assert_eq!((st.pending, st.poisoned, st.processed), (1, 1, 0), "pending and poison are never purged");
+    assert_eq!(
+        (st.pending, st.poisoned, st.processed),
+        (1, 1, 0),
+        "pending and poison are never purged"
+    );
 }
 
 /// Operators list, inspect, retry and discard.
@@ -341,29 +498,64 @@ pub async fn operator_list_get_retry_discard(s: &dyn StoreUnderTest) {
     s.store().claim(&req("w", 1, now)).await.unwrap();
     s.store().fail(&failure("w", k[0], now, 1)).await.unwrap();
     let store = s.store();
-    let poisoned = store.list(&ListQuery { state: Some(MessageState::Poisoned), ..Default::default() }).await.unwrap();
+    let poisoned = store
+        .list(&ListQuery {
+            state: Some(MessageState::Poisoned),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(ids(&poisoned), [k[0]]);
-    let of_type = store.list(&ListQuery { message_type: Some("Other".into()), ..Default::default() }).await.unwrap();
+    let of_type = store
+        .list(&ListQuery {
+            message_type: Some("Other".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(ids(&of_type), [k[2]]);
-    let limited = store.list(&ListQuery { limit: 2, ..Default::default() }).await.unwrap();
+    let limited = store
+        .list(&ListQuery {
+            limit: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
     assert_eq!(ids(&limited), k[..2]);
     assert!(store.get(MessageId::new()).await.unwrap().is_none());
 
     let err = store.retry(k[1], "ops", now).await.unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Conflict, "only poisoned messages are retried: {err}");
-    assert_eq!(store.retry(MessageId::new(), "ops", now).await.unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Conflict,
+        "only poisoned messages are retried: {err}"
+    );
+    assert_eq!(
+        store
+            .retry(MessageId::new(), "ops", now)
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::NotFound
+    );
     store.retry(k[0], "ops", now).await.unwrap();
     let m = get(s, k[0]).await;
     assert_eq!((m.state, m.attempts), (MessageState::Pending, 0));
     let note = m.last_error.unwrap();
-    assert!(note.contains("retried by ops") && note.contains("handler said no"), "{note}");
+    assert!(
+        note.contains("retried by ops") && note.contains("handler said no"),
+        "{note}"
+    );
     assert_eq!(ids(&store.claim(&req("w", 1, now)).await.unwrap()), [k[0]]);
 
     store.discard(k[1], "ops", now).await.unwrap();
     let m = get(s, k[1]).await;
     assert_eq!(m.state, MessageState::Processed);
     assert!(m.last_error.unwrap().contains("discarded by ops"));
-    assert_eq!(store.discard(k[1], "ops", now).await.unwrap_err().kind(), ErrorKind::Conflict);
+    assert_eq!(
+        store.discard(k[1], "ops", now).await.unwrap_err().kind(),
+        ErrorKind::Conflict
+    );
 }
 
 /// A commit wakes a listener at once (not after a poll interval).
@@ -372,7 +564,10 @@ pub async fn commit_wakes_listener(s: &dyn StoreUnderTest) {
     // Drain anything already signalled.
     while listener.wait(Duration::from_millis(1)).await {}
     s.enqueue(vec![domain(1)]).await;
-    assert!(listener.wait(Duration::from_secs(10)).await, "a commit must wake the relay");
+    assert!(
+        listener.wait(Duration::from_secs(10)).await,
+        "a commit must wake the relay"
+    );
 }
 
 /// Claims racing from many tasks never return the same message twice.
@@ -419,20 +614,42 @@ pub async fn message_fields_round_trip(s: &dyn StoreUnderTest) {
     assert_eq!(got.message_type, "Shipped");
     assert_eq!(got.key.as_deref(), Some("order-7"));
     let dest = got.destination.unwrap();
-    assert_eq!((dest.exchange.as_str(), dest.routing_key.as_str()), ("shop.events", "order.shipped"));
-    assert_eq!(got.headers.get("x-ünïcode").map(String::as_str), Some("välue ✓"));
+    assert_eq!(
+        (dest.exchange.as_str(), dest.routing_key.as_str()),
+        ("shop.events", "order.shipped")
+    );
+    assert_eq!(
+        got.headers.get("x-ünïcode").map(String::as_str),
+        Some("välue ✓")
+    );
     assert_eq!(got.headers.len(), 2);
     assert_eq!(got.content_type, "application/x-bytes");
-    assert_eq!(got.trace_parent.as_deref(), Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"));
-    assert_eq!((got.state, got.attempts, got.last_error), (MessageState::Pending, 0, None));
+    assert_eq!(
+        got.trace_parent.as_deref(),
+        Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    );
+    assert_eq!(
+        (got.state, got.attempts, got.last_error),
+        (MessageState::Pending, 0, None)
+    );
     assert!(got.created_at <= Timestamp::now());
 }
 
 /// Enqueuing an id that exists already fails and loses nothing.
 pub async fn duplicate_id_is_refused(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await[0];
-    let err = s.try_enqueue(vec![domain(3), domain(2).with_id(id)]).await.unwrap_err();
-    assert!(err.to_string().contains(&id.to_string()), "the error names the id: {err}");
-    assert_eq!(s.store().stats().await.unwrap().pending, 1, "the failed transaction wrote nothing");
+    let err = s
+        .try_enqueue(vec![domain(3), domain(2).with_id(id)])
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string().contains(&id.to_string()),
+        "the error names the id: {err}"
+    );
+    assert_eq!(
+        s.store().stats().await.unwrap().pending,
+        1,
+        "the failed transaction wrote nothing"
+    );
     assert_eq!(get(s, id).await.payload, b"1");
 }

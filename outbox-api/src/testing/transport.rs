@@ -1,4 +1,4 @@
-//! Conformance of [`Transport`] implementations.
+//! Conformance of [`Transport`](crate::Transport) implementations.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -54,7 +54,10 @@ async fn wait_received(t: &dyn TransportUnderTest, expected: &[MessageId]) {
         if expected.iter().all(|id| got.contains(id)) {
             return;
         }
-        assert!(start.elapsed() < deadline, "timed out waiting for {expected:?}; received {got:?}");
+        assert!(
+            start.elapsed() < deadline,
+            "timed out waiting for {expected:?}; received {got:?}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -85,22 +88,34 @@ pub async fn rejected_affects_only_that_message(t: &dyn TransportUnderTest) {
 /// `Rejected`) and probing fails; once healed, probing succeeds and sends deliver.
 pub async fn unavailable_while_broken_then_recovers(t: &dyn TransportUnderTest) {
     let warm = t.deliverable(0);
-    assert_eq!(t.transport().send(std::slice::from_ref(&warm)).await, vec![Outcome::Delivered]);
+    assert_eq!(
+        t.transport().send(std::slice::from_ref(&warm)).await,
+        vec![Outcome::Delivered]
+    );
     t.break_connection().await;
     let batch = vec![t.deliverable(1), t.deliverable(2)];
     let outcomes = t.transport().send(&batch).await;
     assert_eq!(outcomes.len(), 2);
     for o in &outcomes {
-        assert!(matches!(o, Outcome::Unavailable(_)), "while broken: {outcomes:?}");
+        assert!(
+            matches!(o, Outcome::Unavailable(_)),
+            "while broken: {outcomes:?}"
+        );
     }
     assert!(t.transport().probe().await.is_err(), "probe while broken");
     t.heal_connection().await;
     let start = tokio::time::Instant::now();
     while let Err(e) = t.transport().probe().await {
-        assert!(start.elapsed() < Duration::from_secs(30), "never recovered: {e}");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "never recovered: {e}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(t.transport().send(&batch).await, vec![Outcome::Delivered; 2]);
+    assert_eq!(
+        t.transport().send(&batch).await,
+        vec![Outcome::Delivered; 2]
+    );
     wait_received(t, &[batch[0].id, batch[1].id]).await;
 }
 

@@ -1,0 +1,168 @@
+//! Relay behaviour beyond the per-backend rules: tracing spans, integration
+//! ordering under rejection, backoff policy.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox::memory::{MemoryStore, MemoryTransport};
+use outbox::{
+    Handlers, ManualClock, MessageKind, MessageState, NewMessage, OperatorStore, Relay,
+    RetryPolicy, Timestamp,
+};
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
+
+#[derive(Clone, Default)]
+struct Spans(Arc<Mutex<Vec<SpanRecord>>>);
+
+/// A span's name and the fields recorded on it.
+type SpanRecord = (String, Vec<(String, String)>);
+
+struct Fields<'a>(&'a mut Vec<(String, String)>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.push((field.name().to_owned(), format!("{value:?}")));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.push((field.name().to_owned(), value.to_owned()));
+    }
+}
+
+impl<S: tracing::Subscriber> Layer<S> for Spans {
+    fn on_new_span(&self, attrs: &Attributes<'_>, _id: &Id, _ctx: Context<'_, S>) {
+        let mut fields = Vec::new();
+        attrs.record(&mut Fields(&mut fields));
+        self.0
+            .lock()
+            .unwrap()
+            .push((attrs.metadata().name().to_owned(), fields));
+    }
+    fn on_record(&self, _id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
+        let mut fields = Vec::new();
+        values.record(&mut Fields(&mut fields));
+        if let Some(last) = self.0.lock().unwrap().last_mut() {
+            last.1.extend(fields);
+        }
+    }
+}
+
+#[tokio::test]
+async fn one_span_per_delivery_carrying_the_traceparent() {
+    let spans = Spans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let store = MemoryStore::new();
+    let tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+    let mut tx = store.begin();
+    let id = tx
+        .enqueue(NewMessage::new(MessageKind::Domain, "Ok", b"1".to_vec()).trace_parent(tp))
+        .unwrap();
+    tx.commit().unwrap();
+    let relay = Relay::builder(store.clone())
+        .dispatcher(
+            Handlers::new().on_message("Ok", |_m: &outbox::Message| async {
+                Ok::<_, std::io::Error>(())
+            }),
+        )
+        .build()
+        .unwrap();
+    relay.drain().await.unwrap();
+    let spans = spans.0.lock().unwrap();
+    let deliveries: Vec<_> = spans
+        .iter()
+        .filter(|(name, _)| name == "outbox.deliver")
+        .collect();
+    assert_eq!(deliveries.len(), 1, "{spans:?}");
+    let fields = &deliveries[0].1;
+    let get = |k: &str| fields.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    assert_eq!(get("trace_parent").as_deref(), Some(tp));
+    assert_eq!(get("message.id"), Some(id.to_string()));
+    assert_eq!(get("outcome").as_deref(), Some("delivered"));
+}
+
+#[tokio::test]
+async fn integration_messages_of_a_key_stay_in_order_when_one_is_rejected() {
+    let clock = Arc::new(ManualClock::new(Timestamp::now()));
+    let store = MemoryStore::with_clock(clock.clone());
+    let (t, h) = MemoryTransport::new();
+    let mut tx = store.begin();
+    let ids: Vec<_> = (0..6)
+        .map(|n| {
+            let key = if n % 2 == 0 { "even" } else { "odd" };
+            let ty = if n == 2 { "Refused" } else { "Out" };
+            tx.enqueue(NewMessage::new(MessageKind::Integration, ty, vec![n]).key(key))
+                .unwrap()
+        })
+        .collect();
+    tx.commit().unwrap();
+    h.reject_type("Refused");
+    let relay = Relay::builder(store.clone())
+        .clock(clock.clone())
+        .transport(t)
+        .build()
+        .unwrap();
+    relay.drain().await.unwrap();
+    // "odd" flows; "even" stops at the rejected message, in order.
+    assert_eq!(h.delivered_ids(), [ids[0], ids[1], ids[3], ids[5]]);
+    assert_eq!(
+        store.get(ids[4]).await.unwrap().unwrap().attempts,
+        0,
+        "held back, not attempted"
+    );
+    h.accept_all();
+    clock.advance(Duration::from_secs(2));
+    relay.drain().await.unwrap();
+    assert_eq!(h.delivered_ids()[4..], [ids[2], ids[4]]);
+    assert_eq!(store.get(ids[2]).await.unwrap().unwrap().attempts, 1);
+    // Each transport batch held at most one message per key, in order.
+    assert!(h.sends() >= 3);
+}
+
+#[tokio::test]
+async fn exponential_backoff_spaces_out_retries() {
+    let clock = Arc::new(ManualClock::new(Timestamp::now()));
+    let store = MemoryStore::with_clock(clock.clone());
+    let mut tx = store.begin();
+    let id = tx
+        .enqueue(NewMessage::new(MessageKind::Domain, "Fail", b"x".to_vec()))
+        .unwrap();
+    tx.commit().unwrap();
+    let relay = Relay::builder(store.clone())
+        .clock(clock.clone())
+        .dispatcher(
+            Handlers::new().on_message("Fail", |_m: &outbox::Message| async {
+                Err::<(), _>(std::io::Error::other("no"))
+            }),
+        )
+        .retry_policy(RetryPolicy::Exponential {
+            initial: Duration::from_secs(10),
+            max: Duration::from_secs(60),
+            multiplier: 3.0,
+            jitter: 0.0,
+        })
+        .build()
+        .unwrap();
+    let mut waits = Vec::new();
+    for _ in 0..3 {
+        relay.drain().await.unwrap();
+        let m = store.get(id).await.unwrap().unwrap();
+        waits.push(m.available_at.since(Clock::now(&*clock)));
+        clock.advance(*waits.last().unwrap());
+    }
+    assert_eq!(
+        waits,
+        [
+            Duration::from_secs(10),
+            Duration::from_secs(30),
+            Duration::from_secs(60)
+        ]
+    );
+    assert_eq!(
+        store.get(id).await.unwrap().unwrap().state,
+        MessageState::Pending
+    );
+}
+
+use outbox::Clock;
