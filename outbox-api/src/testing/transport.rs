@@ -1,4 +1,4 @@
-//! Conformance of [`Transport`](crate::Transport) implementations.
+//! Conformance of [`Transport`] implementations.
 
 use std::sync::Arc;
 use std::time::Duration;
