@@ -40,7 +40,10 @@ pub struct Spec {
 
 #[derive(Debug, Clone)]
 pub enum Op {
-    Enqueue { messages: Vec<Spec>, commit: bool },
+    Enqueue {
+        messages: Vec<Spec>,
+        commit: bool,
+    },
     Drain,
     Batch,
     TransportDown,
@@ -179,7 +182,8 @@ impl World {
                 let new: Vec<NewMessage> = messages.iter().map(new_message).collect();
                 if *commit {
                     let ids = self.fixture.enqueue(new).await;
-                    self.committed.extend(ids.into_iter().zip(messages.iter().cloned()));
+                    self.committed
+                        .extend(ids.into_iter().zip(messages.iter().cloned()));
                 } else {
                     // Ids of rolled-back messages are unknown to the store;
                     // the model checks that nothing outside `committed` arrives.
@@ -226,11 +230,18 @@ impl World {
             Op::RetryPoisoned => {
                 let store = self.fixture.store();
                 let poisoned = store
-                    .list(&ListQuery { state: Some(MessageState::Poisoned), limit: 1000, ..Default::default() })
+                    .list(&ListQuery {
+                        state: Some(MessageState::Poisoned),
+                        limit: 1000,
+                        ..Default::default()
+                    })
                     .await
                     .expect("list");
                 for m in poisoned {
-                    store.retry(m.id, "model", self.clock.now()).await.expect("retry");
+                    store
+                        .retry(m.id, "model", self.clock.now())
+                        .await
+                        .expect("retry");
                     self.poisoned.remove(&m.id);
                 }
             }
@@ -238,13 +249,20 @@ impl World {
     }
 
     fn index(&self) -> HashMap<MessageId, (usize, &Spec)> {
-        self.committed.iter().enumerate().map(|(i, (id, s))| (*id, (i, s))).collect()
+        self.committed
+            .iter()
+            .enumerate()
+            .map(|(i, (id, s))| (*id, (i, s)))
+            .collect()
     }
 
     async fn rows(&self) -> Vec<Message> {
         self.fixture
             .store()
-            .list(&ListQuery { limit: 100_000, ..Default::default() })
+            .list(&ListQuery {
+                limit: 100_000,
+                ..Default::default()
+            })
             .await
             .expect("list")
     }
@@ -253,16 +271,28 @@ impl World {
     async fn check(&mut self) {
         let index = self.index();
         let rows = self.rows().await;
-        assert_eq!(rows.len(), self.committed.len(), "every committed message is stored, nothing else");
+        assert_eq!(
+            rows.len(),
+            self.committed.len(),
+            "every committed message is stored, nothing else"
+        );
         let mut newly_poisoned = Vec::new();
         for m in &rows {
             let (_, spec) = index.get(&m.id).expect("only committed messages exist");
-            assert!(m.attempts <= MAX_ATTEMPTS, "attempts {} exceed the max", m.attempts);
+            assert!(
+                m.attempts <= MAX_ATTEMPTS,
+                "attempts {} exceed the max",
+                m.attempts
+            );
             if matches!(spec.fate, Fate::Out) {
                 assert_eq!(m.attempts, 0, "outages never count (message {})", m.id);
             }
             if self.poisoned.contains(&m.id) {
-                assert_eq!(m.state, MessageState::Poisoned, "poison stays until retried");
+                assert_eq!(
+                    m.state,
+                    MessageState::Poisoned,
+                    "poison stays until retried"
+                );
             }
             if m.state == MessageState::Poisoned {
                 newly_poisoned.push(m.id);
@@ -271,7 +301,10 @@ impl World {
         let sink = self.sink.lock().unwrap();
         let delivered = self.transport_handle.delivered_ids();
         for id in sink.calls.keys().chain(&delivered) {
-            assert!(index.contains_key(id), "a message that was never committed was delivered");
+            assert!(
+                index.contains_key(id),
+                "a message that was never committed was delivered"
+            );
         }
         let mut once = HashSet::new();
         for id in &sink.effects {
@@ -298,7 +331,8 @@ impl World {
         self.check().await;
         let rows = self.rows().await;
         let sink = self.sink.lock().unwrap();
-        let delivered: HashSet<MessageId> = self.transport_handle.delivered_ids().into_iter().collect();
+        let delivered: HashSet<MessageId> =
+            self.transport_handle.delivered_ids().into_iter().collect();
         let by_id: HashMap<MessageId, &Message> = rows.iter().map(|m| (m.id, m)).collect();
         for (i, (id, spec)) in self.committed.iter().enumerate() {
             let m = by_id[id];
@@ -306,7 +340,10 @@ impl World {
                 MessageState::Processed => match spec.fate {
                     Fate::Out => assert!(delivered.contains(id), "processed but never sent"),
                     Fate::Refused => panic!("a refused message cannot be processed"),
-                    _ => assert!(sink.effects.contains(id), "processed but its effect never happened"),
+                    _ => assert!(
+                        sink.effects.contains(id),
+                        "processed but its effect never happened"
+                    ),
                 },
                 MessageState::Poisoned => assert!(
                     !matches!(spec.fate, Fate::Out),
@@ -316,9 +353,13 @@ impl World {
                     // Only a message parked behind a poisoned one of its key may still wait.
                     let parked = model_key(spec).is_some()
                         && self.committed[..i].iter().any(|(e, s)| {
-                            model_key(s) == model_key(spec) && by_id[e].state == MessageState::Poisoned
+                            model_key(s) == model_key(spec)
+                                && by_id[e].state == MessageState::Poisoned
                         });
-                    assert!(parked, "message {id} ({spec:?}) was neither delivered nor parked: {m:?}");
+                    assert!(
+                        parked,
+                        "message {id} ({spec:?}) was neither delivered nor parked: {m:?}"
+                    );
                 }
             }
         }
@@ -347,12 +388,20 @@ fn check_order(what: &str, seen: &[MessageId], index: &HashMap<MessageId, (usize
 }
 
 /// Runs one generated case against a fresh store of a backend.
-pub async fn run_case(fixture: Box<dyn StoreUnderTest>, clock: Arc<ManualClock>, batch_size: usize, ops: Vec<Op>) {
+pub async fn run_case(
+    fixture: Box<dyn StoreUnderTest>,
+    clock: Arc<ManualClock>,
+    batch_size: usize,
+    ops: Vec<Op>,
+) {
     let (transport, transport_handle) = MemoryTransport::new();
     transport_handle.reject_type("Refused");
     let sink = Arc::new(Mutex::new(Sink::default()));
     let dispatcher = Arc::new(dispatcher(sink.clone()));
-    let relay = Relay::builder(MemoryStore::new()).dispatcher(Handlers::new()).build().unwrap();
+    let relay = Relay::builder(MemoryStore::new())
+        .dispatcher(Handlers::new())
+        .build()
+        .unwrap();
     let mut world = World {
         fixture,
         clock,
@@ -394,8 +443,14 @@ pub fn quiet_deliberate_panics() {
 
 pub fn config() -> ProptestConfig {
     quiet_deliberate_panics();
-    let cases = std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(48);
-    ProptestConfig { cases, ..ProptestConfig::default() }
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(48);
+    ProptestConfig {
+        cases,
+        ..ProptestConfig::default()
+    }
 }
 
 pub fn clock() -> Arc<ManualClock> {
