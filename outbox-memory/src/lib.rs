@@ -21,6 +21,8 @@
 #![warn(missing_docs)]
 
 mod store;
+#[cfg(feature = "testing")]
+mod testing;
 mod transport;
 
 pub use store::{MemoryStore, MemoryTransaction};

@@ -3,39 +3,12 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_api::testing::{StoreUnderTest, TransportUnderTest};
-use outbox_api::{
-    Message, MessageId, MessageKind, NewMessage, OperatorStore, Result, Timestamp, Transport,
-};
+use outbox_api::testing::TransportUnderTest;
+use outbox_api::{Message, MessageId, MessageKind, NewMessage, Timestamp, Transport};
 use outbox_memory::{MemoryStore, MemoryTransport, MemoryTransportHandle};
 
-struct Mem(MemoryStore);
-
-#[async_trait]
-impl StoreUnderTest for Mem {
-    fn store(&self) -> Arc<dyn OperatorStore> {
-        Arc::new(self.0.clone())
-    }
-    async fn try_enqueue(&self, messages: Vec<NewMessage>) -> Result<Vec<MessageId>> {
-        let mut tx = self.0.begin();
-        let ids = messages
-            .into_iter()
-            .map(|m| tx.enqueue(m))
-            .collect::<Result<Vec<_>>>()?;
-        tx.commit()?;
-        Ok(ids)
-    }
-    async fn enqueue_rolled_back(&self, messages: Vec<NewMessage>) {
-        let mut tx = self.0.begin();
-        for m in messages {
-            tx.enqueue(m).unwrap();
-        }
-        tx.rollback();
-    }
-}
-
-async fn memory_store() -> Mem {
-    Mem(MemoryStore::new())
+async fn memory_store() -> MemoryStore {
+    MemoryStore::new()
 }
 
 outbox_api::store_conformance_tests!(memory_store);
