@@ -423,26 +423,8 @@ pub async fn run_case(
     world.finish().await;
 }
 
-/// Keeps the handlers' deliberate panics out of the test output; any other
-/// panic still reports through the default hook.
-pub fn quiet_deliberate_panics() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let default = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let deliberate = info
-                .payload()
-                .downcast_ref::<&str>()
-                .is_some_and(|s| s.contains("on purpose"));
-            if !deliberate {
-                default(info);
-            }
-        }));
-    });
-}
-
 pub fn config() -> ProptestConfig {
-    quiet_deliberate_panics();
+    outbox::testing::quiet_deliberate_panics();
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|c| c.parse().ok())

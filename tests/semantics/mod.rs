@@ -77,7 +77,7 @@ pub fn handlers(log: &Log) -> Handlers {
             c.push(m);
             async {
                 if true {
-                    panic!("handler blew up");
+                    panic!("handler blew up on purpose");
                 }
                 Ok::<_, std::io::Error>(())
             }
@@ -744,6 +744,7 @@ macro_rules! semantics_tests {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
+                outbox::testing::quiet_deliberate_panics();
                 let clock = semantics::clock();
                 let fixture = <$backend as semantics::Backend>::fresh(clock.clone()).await;
                 semantics::$name(fixture, clock).await;

@@ -45,3 +45,23 @@ where
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+/// Keeps deliberate panics (whose message contains "on purpose") out of the
+/// test output; every other panic still reports through the default hook.
+pub fn quiet_deliberate_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let text = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            if !text.contains("on purpose") {
+                default(info);
+            }
+        }));
+    });
+}
