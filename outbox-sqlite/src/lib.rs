@@ -1,1 +1,19 @@
-//! outbox-rs sqlite backend (work in progress).
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod error;
+mod listener;
+mod outbox;
+mod row;
+mod schema;
+mod store;
+
+pub use listener::SqliteListener;
+pub use outbox::{SqliteOutbox, SqlxEnqueue};
+pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE};
+pub use store::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStore, SqliteStoreBuilder};
+
+/// The sqlx and rusqlite versions this crate links against, re-exported so
+/// that applications use the same ones.
+pub use {rusqlite, sqlx};

@@ -1,0 +1,287 @@
+//! Table names, migrations and the SQL text built from them.
+
+use outbox_api::{Error, Result};
+
+/// Longest table name accepted.
+pub(crate) const MAX_NAME_LEN: usize = 63;
+
+/// Default outbox table name.
+pub const DEFAULT_OUTBOX_TABLE: &str = "outbox";
+/// Default inbox table name.
+pub const DEFAULT_INBOX_TABLE: &str = "outbox_inbox";
+/// The table that records which migrations were applied to which table.
+pub(crate) const VERSIONS_TABLE: &str = "outbox_schema_versions";
+
+/// Checks that `name` is an SQL identifier we can splice safely:
+/// `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters, not reserved by SQLite.
+pub(crate) fn validate_table_name(field: &str, name: &str) -> Result<()> {
+    let mut chars = name.chars();
+    let ok_first = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let ok_rest = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !ok_first || !ok_rest {
+        return Err(Error::config(
+            field,
+            format!(
+                "table name `{}` is not a valid identifier (letters, digits and `_`, not starting with a digit)",
+                name.escape_debug()
+            ),
+        ));
+    }
+    if name.len() > MAX_NAME_LEN {
+        return Err(Error::config(
+            field,
+            format!(
+                "table name `{name}` is {} characters long; at most {MAX_NAME_LEN} are allowed",
+                name.len()
+            ),
+        ));
+    }
+    if name.to_ascii_lowercase().starts_with("sqlite_") || name.eq_ignore_ascii_case(VERSIONS_TABLE)
+    {
+        return Err(Error::config(
+            field,
+            format!("table name `{name}` is reserved"),
+        ));
+    }
+    Ok(())
+}
+
+/// The columns every message query returns, in the order `decode_row` reads them.
+pub(crate) const COLUMNS: &str = "seq, id, kind, message_type, key, exchange, routing_key, payload, \
+     content_type, headers, trace_parent, created_at, available_at, attempts, last_error, state, \
+     locked_by, locked_until, processed_at";
+
+/// Migrations of the outbox table, in order; `{t}` is the table name.
+const OUTBOX_MIGRATIONS: &[&str] = &[
+    // 1: the table and the indexes that keep claims proportional to the batch.
+    "CREATE TABLE IF NOT EXISTS {t} (
+        seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+        id            TEXT    NOT NULL UNIQUE,
+        kind          TEXT    NOT NULL,
+        message_type  TEXT    NOT NULL,
+        key           TEXT,
+        exchange      TEXT,
+        routing_key   TEXT,
+        payload       BLOB    NOT NULL,
+        content_type  TEXT    NOT NULL,
+        headers       TEXT,
+        trace_parent  TEXT,
+        created_at    INTEGER NOT NULL,
+        available_at  INTEGER NOT NULL,
+        attempts      INTEGER NOT NULL DEFAULT 0,
+        last_error    TEXT,
+        state         TEXT    NOT NULL DEFAULT 'pending',
+        locked_by     TEXT,
+        locked_until  INTEGER,
+        processed_at  INTEGER
+    );
+    CREATE INDEX IF NOT EXISTS {t}_pending_idx ON {t} (seq) WHERE state = 'pending';
+    CREATE INDEX IF NOT EXISTS {t}_poisoned_idx ON {t} (seq) WHERE state = 'poisoned';
+    CREATE INDEX IF NOT EXISTS {t}_key_idx ON {t} (key, seq) WHERE state <> 'processed';
+    CREATE INDEX IF NOT EXISTS {t}_processed_idx ON {t} (processed_at) WHERE state = 'processed';",
+];
+
+/// Migrations of the inbox table, in order; `{t}` is the table name.
+const INBOX_MIGRATIONS: &[&str] = &[
+    // 1: one row per (consumer, message) handled.
+    "CREATE TABLE IF NOT EXISTS {t} (
+        consumer     TEXT    NOT NULL,
+        message_id   TEXT    NOT NULL,
+        received_at  INTEGER NOT NULL,
+        UNIQUE (consumer, message_id)
+    );
+    CREATE INDEX IF NOT EXISTS {t}_received_idx ON {t} (received_at);",
+];
+
+/// Which migrations apply to a table.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum TableKind {
+    Outbox,
+    Inbox,
+}
+
+impl TableKind {
+    fn migrations(self) -> &'static [&'static str] {
+        match self {
+            TableKind::Outbox => OUTBOX_MIGRATIONS,
+            TableKind::Inbox => INBOX_MIGRATIONS,
+        }
+    }
+    fn label(self) -> &'static str {
+        match self {
+            TableKind::Outbox => "outbox",
+            TableKind::Inbox => "inbox",
+        }
+    }
+}
+
+/// Applies the missing migrations of `table` inside `tx` (an IMMEDIATE
+/// transaction); returns how many were applied.
+pub(crate) fn migrate_table(
+    tx: &rusqlite::Transaction<'_>,
+    kind: TableKind,
+    table: &str,
+    now_millis: i64,
+) -> rusqlite::Result<usize> {
+    tx.execute_batch(&format!(
+        "CREATE TABLE IF NOT EXISTS {VERSIONS_TABLE} (
+            table_name  TEXT PRIMARY KEY,
+            table_kind  TEXT NOT NULL,
+            version     INTEGER NOT NULL,
+            applied_at  INTEGER NOT NULL
+        )"
+    ))?;
+    let current: i64 = tx
+        .query_row(
+            &format!("SELECT version FROM {VERSIONS_TABLE} WHERE table_name = ?1"),
+            [table],
+            |r| r.get(0),
+        )
+        .or_else(|e| match e {
+            rusqlite::Error::QueryReturnedNoRows => Ok(0),
+            e => Err(e),
+        })?;
+    let migrations = kind.migrations();
+    let mut applied = 0;
+    for (i, sql) in migrations.iter().enumerate() {
+        let version = i as i64 + 1;
+        if version <= current {
+            continue;
+        }
+        tx.execute_batch(&sql.replace("{t}", table))?;
+        applied += 1;
+    }
+    if applied > 0 {
+        tx.execute(
+            &format!(
+                "INSERT INTO {VERSIONS_TABLE} (table_name, table_kind, version, applied_at)
+                 VALUES (?1, ?2, ?3, ?4)
+                 ON CONFLICT (table_name) DO UPDATE SET version = excluded.version, applied_at = excluded.applied_at"
+            ),
+            rusqlite::params![table, kind.label(), migrations.len() as i64, now_millis],
+        )?;
+    }
+    Ok(applied)
+}
+
+/// The SQL text of one outbox + inbox pair, built once from validated names.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub outbox: String,
+    pub inbox: String,
+    pub insert: String,
+    pub receive: String,
+    pub purge_inbox: String,
+    pub claim: String,
+    pub poison_seq: String,
+    pub unlock_seq: String,
+    pub complete: String,
+    pub fail: String,
+    pub release: String,
+}
+
+impl Sql {
+    pub(crate) fn new(outbox: &str, inbox: &str) -> Result<Sql> {
+        validate_table_name("table", outbox)?;
+        validate_table_name("inbox_table", inbox)?;
+        if outbox == inbox {
+            return Err(Error::config(
+                "inbox_table",
+                format!("the inbox table must differ from the outbox table `{outbox}`"),
+            ));
+        }
+        Ok(Sql {
+            outbox: outbox.to_owned(),
+            inbox: inbox.to_owned(),
+            insert: format!(
+                "INSERT INTO {outbox} (id, kind, message_type, key, exchange, routing_key, payload, \
+                 content_type, headers, trace_parent, created_at, available_at, attempts, state) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, 0, 'pending')"
+            ),
+            receive: format!(
+                "INSERT OR IGNORE INTO {inbox} (consumer, message_id, received_at) VALUES (?1, ?2, ?3)"
+            ),
+            purge_inbox: format!(
+                "DELETE FROM {inbox} WHERE rowid IN \
+                 (SELECT rowid FROM {inbox} WHERE received_at < ?1 LIMIT ?2)"
+            ),
+            claim: claim_sql(outbox),
+            poison_seq: format!(
+                "UPDATE {outbox} SET state = 'poisoned', last_error = ?1, locked_by = NULL, \
+                 locked_until = NULL WHERE seq = ?2"
+            ),
+            unlock_seq: format!(
+                "UPDATE {outbox} SET locked_by = NULL, locked_until = NULL WHERE seq = ?1"
+            ),
+            complete: format!(
+                "UPDATE {outbox} SET state = 'processed', processed_at = ?1, locked_by = NULL, \
+                 locked_until = NULL WHERE id = ?2 AND state = 'pending'"
+            ),
+            fail: format!(
+                "UPDATE {outbox} SET attempts = attempts + 1, last_error = ?1,
+                   state = CASE WHEN attempts + 1 >= ?2 THEN 'poisoned' ELSE 'pending' END,
+                   available_at = CASE WHEN attempts + 1 >= ?2 THEN available_at ELSE ?3 END,
+                   locked_by = NULL, locked_until = NULL
+                 WHERE id = ?4 AND state = 'pending' AND locked_by = ?5
+                 RETURNING attempts, state"
+            ),
+            release: format!(
+                "UPDATE {outbox} SET locked_by = NULL, locked_until = NULL, available_at = ?1,
+                   last_error = COALESCE(?2, last_error)
+                 WHERE id = ?3 AND state = 'pending' AND locked_by = ?4"
+            ),
+        })
+    }
+}
+
+pub(crate) fn claim_sql(t: &str) -> String {
+    // Claimable: pending, available, lease free, kind matches, and no earlier
+    // message of the same key that is poisoned or pending-but-not-claimable
+    // (those earlier ones that are claimable come first in seq order, so they
+    // are claimed by this same statement).
+    format!(
+        "UPDATE {t} SET locked_by = ?1, locked_until = ?2
+         WHERE seq IN (
+           SELECT m.seq FROM {t} AS m
+           WHERE m.state = 'pending'
+             AND m.available_at <= ?3
+             AND (m.locked_until IS NULL OR m.locked_until <= ?3)
+             AND (?4 IS NULL OR m.kind = ?4)
+             AND (m.key IS NULL OR NOT EXISTS (
+               SELECT 1 FROM {t} AS b
+               WHERE b.key = m.key AND b.seq < m.seq AND b.state <> 'processed'
+                 AND (b.state <> 'pending'
+                      OR b.available_at > ?3
+                      OR (b.locked_until IS NOT NULL AND b.locked_until > ?3)
+                      OR (?4 IS NOT NULL AND b.kind <> ?4))))
+           ORDER BY m.seq
+           LIMIT ?5)
+         RETURNING {COLUMNS}"
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        for ok in ["outbox", "_x", "Orders_Outbox2", &"a".repeat(63)] {
+            validate_table_name("table", ok).unwrap();
+        }
+        for bad in [
+            "",
+            "1abc",
+            "x; DROP TABLE y",
+            "a-b",
+            "ü",
+            "sqlite_master",
+            &"a".repeat(64),
+        ] {
+            let err = validate_table_name("table", bad).unwrap_err();
+            assert_eq!(err.kind(), outbox_api::ErrorKind::Config, "{bad}: {err}");
+        }
+    }
+}
