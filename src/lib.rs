@@ -15,3 +15,9 @@ pub use outbox_api::*;
 pub mod memory {
     pub use outbox_memory::*;
 }
+
+/// The SQLite backend (feature `sqlite`).
+#[cfg(feature = "sqlite")]
+pub mod sqlite {
+    pub use outbox_sqlite::*;
+}

@@ -8,6 +8,8 @@ mod outbox;
 mod row;
 mod schema;
 mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};

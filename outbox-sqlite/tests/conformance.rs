@@ -6,7 +6,6 @@ use async_trait::async_trait;
 use outbox_api::testing::StoreUnderTest;
 use outbox_api::{MessageId, NewMessage, OperatorStore};
 use outbox_sqlite::SqliteStore;
-use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
 async fn fresh_store() -> (tempfile::TempDir, SqliteStore) {
     let dir = tempfile::tempdir().expect("temp dir");
@@ -21,60 +20,10 @@ async fn fresh_store() -> (tempfile::TempDir, SqliteStore) {
 }
 
 mod sqlx_driver {
-    use super::*;
+    use outbox_sqlite::testing::SqlxUnderTest;
 
-    pub struct Sut {
-        _dir: tempfile::TempDir,
-        store: SqliteStore,
-        pool: SqlitePool,
-    }
-
-    pub async fn sut() -> Sut {
-        let (dir, store) = fresh_store().await;
-        let pool = SqlitePoolOptions::new()
-            .max_connections(2)
-            .connect_with(SqliteConnectOptions::new().filename(store.path()))
-            .await
-            .expect("sqlx pool");
-        Sut {
-            _dir: dir,
-            store,
-            pool,
-        }
-    }
-
-    #[async_trait]
-    impl StoreUnderTest for Sut {
-        fn store(&self) -> Arc<dyn OperatorStore> {
-            Arc::new(self.store.clone())
-        }
-
-        async fn try_enqueue(
-            &self,
-            messages: Vec<NewMessage>,
-        ) -> outbox_api::Result<Vec<MessageId>> {
-            let outbox = self.store.outbox();
-            let mut tx = self
-                .pool
-                .begin_with("BEGIN IMMEDIATE")
-                .await
-                .expect("begin");
-            let mut ids = Vec::new();
-            for m in messages {
-                ids.push(outbox.enqueue(&mut *tx, m).await?);
-            }
-            tx.commit().await.expect("commit");
-            Ok(ids)
-        }
-
-        async fn enqueue_rolled_back(&self, messages: Vec<NewMessage>) {
-            let outbox = self.store.outbox();
-            let mut tx = self.pool.begin().await.expect("begin");
-            for m in messages {
-                outbox.enqueue(&mut *tx, m).await.expect("enqueue");
-            }
-            tx.rollback().await.expect("rollback");
-        }
+    async fn sut() -> SqlxUnderTest {
+        SqlxUnderTest::fresh(None).await
     }
 
     outbox_api::store_conformance_tests!(sut);

@@ -423,12 +423,13 @@ pub async fn run_case(
     world.finish().await;
 }
 
+/// 64 cases per backend by default; `PROPTEST_CASES` for long runs.
 pub fn config() -> ProptestConfig {
     outbox::testing::quiet_deliberate_panics();
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|c| c.parse().ok())
-        .unwrap_or(48);
+        .unwrap_or(64);
     ProptestConfig {
         cases,
         ..ProptestConfig::default()
