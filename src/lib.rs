@@ -21,3 +21,9 @@ pub mod memory {
 pub mod sqlite {
     pub use outbox_sqlite::*;
 }
+
+/// The RabbitMQ transport (feature `rabbitmq`).
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq {
+    pub use outbox_rabbitmq::*;
+}

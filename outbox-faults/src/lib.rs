@@ -1,0 +1,1 @@
+//! Fault tests of outbox-rs (work in progress).
