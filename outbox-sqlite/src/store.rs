@@ -248,6 +248,19 @@ impl SqliteStore {
         &self.inner.sql.inbox
     }
 
+    /// The exact claim statement this store runs (parameters: `?1` worker,
+    /// `?2` locked_until, `?3` now, `?4` kind or NULL, `?5` limit), for
+    /// inspection (`EXPLAIN QUERY PLAN`) and same-SQL baselines.
+    pub fn claim_statement(&self) -> &str {
+        &self.inner.sql.claim
+    }
+
+    /// The exact statement that marks one message processed (`?1`
+    /// processed_at, `?2` id), run once per id inside one transaction.
+    pub fn complete_statement(&self) -> &str {
+        &self.inner.sql.complete
+    }
+
     /// Deletes at most `limit` inbox entries received before `before`;
     /// returns how many. Call it repeatedly to purge in small batches.
     pub async fn purge_inbox(&self, before: Timestamp, limit: usize) -> Result<u64> {

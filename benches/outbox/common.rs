@@ -1,0 +1,156 @@
+//! What every figure shares: the figure record, the table, the JSON file.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use hdrhistogram::Histogram;
+use outbox::{Handlers, Message};
+
+/// One measured figure, possibly beside a baseline from the same run.
+pub struct Figure {
+    pub name: String,
+    pub value: f64,
+    pub unit: &'static str,
+    pub baseline: Option<(String, f64)>,
+    pub target: &'static str,
+}
+
+impl Figure {
+    pub fn new(
+        name: impl Into<String>,
+        value: f64,
+        unit: &'static str,
+        target: &'static str,
+    ) -> Self {
+        Figure {
+            name: name.into(),
+            value,
+            unit,
+            baseline: None,
+            target,
+        }
+    }
+
+    pub fn beside(mut self, baseline: impl Into<String>, value: f64) -> Self {
+        self.baseline = Some((baseline.into(), value));
+        self
+    }
+
+    pub fn ratio(&self) -> Option<f64> {
+        self.baseline.as_ref().map(|(_, b)| self.value / b)
+    }
+}
+
+/// A figure that could not be measured, said so in the table.
+pub fn not_measured(name: &str, why: &str) -> Figure {
+    Figure::new(format!("{name} — NOT MEASURED: {why}"), f64::NAN, "", "")
+}
+
+pub fn quick() -> bool {
+    std::env::var("OUTBOX_BENCH_QUICK").is_ok_and(|v| v != "0" && !v.is_empty())
+}
+
+/// p50 and p99 rows (µs histogram → ms).
+pub fn latency_rows(
+    name: &str,
+    hist: &Histogram<u64>,
+    p50: &'static str,
+    p99: &'static str,
+) -> Vec<Figure> {
+    vec![
+        Figure::new(
+            format!("{name}, p50"),
+            hist.value_at_quantile(0.5) as f64 / 1000.0,
+            "ms",
+            p50,
+        ),
+        Figure::new(
+            format!("{name}, p99"),
+            hist.value_at_quantile(0.99) as f64 / 1000.0,
+            "ms",
+            p99,
+        ),
+        Figure::new(
+            format!("{name}, max"),
+            hist.max() as f64 / 1000.0,
+            "ms",
+            "—",
+        ),
+    ]
+}
+
+pub fn histogram() -> Histogram<u64> {
+    Histogram::<u64>::new(3).expect("histogram")
+}
+
+/// Handlers for `Bench` messages that only count.
+pub fn counting_handlers(count: Arc<AtomicU64>) -> Handlers {
+    Handlers::new().on_message("Bench", move |_m: &Message| {
+        count.fetch_add(1, Ordering::Relaxed);
+        async { Ok::<_, std::io::Error>(()) }
+    })
+}
+
+fn json_escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+fn json_number(v: f64) -> String {
+    if v.is_finite() {
+        format!("{v:.4}")
+    } else {
+        "null".into()
+    }
+}
+
+pub fn write_summary(figures: &[Figure]) {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/outbox-bench");
+    std::fs::create_dir_all(&dir).expect("bench output dir");
+    let rows: Vec<String> = figures
+        .iter()
+        .map(|f| {
+            let (bname, bval) = match &f.baseline {
+                Some((n, v)) => (format!("\"{}\"", json_escape(n)), json_number(*v)),
+                None => ("null".into(), "null".into()),
+            };
+            format!(
+                "  {{\"figure\": \"{}\", \"value\": {}, \"unit\": \"{}\", \"baseline\": {bname}, \"baseline_value\": {bval}, \"ratio\": {}, \"target\": \"{}\"}}",
+                json_escape(&f.name),
+                json_number(f.value),
+                f.unit,
+                f.ratio().map_or("null".into(), json_number),
+                json_escape(f.target)
+            )
+        })
+        .collect();
+    let path = dir.join("summary.json");
+    std::fs::write(&path, format!("[\n{}\n]\n", rows.join(",\n"))).expect("write summary");
+    println!("\nwritten: {}", path.display());
+}
+
+fn show(v: f64, unit: &str) -> String {
+    if !v.is_finite() {
+        "—".into()
+    } else if unit == "ms" || v < 10.0 {
+        format!("{v:.3} {unit}")
+    } else {
+        format!("{v:.0} {unit}")
+    }
+}
+
+pub fn print_table(figures: &[Figure]) {
+    println!("\n| figure | value | baseline (same run) | ratio | target |");
+    println!("|---|---|---|---|---|");
+    for f in figures {
+        let baseline = f.baseline.as_ref().map_or("—".to_owned(), |(n, v)| {
+            format!("{n}: {}", show(*v, f.unit))
+        });
+        let ratio = f.ratio().map_or("—".to_owned(), |r| format!("{r:.2}"));
+        println!(
+            "| {} | {} | {baseline} | {ratio} | {} |",
+            f.name,
+            show(f.value, f.unit),
+            f.target
+        );
+    }
+}

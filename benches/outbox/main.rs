@@ -1,0 +1,38 @@
+//! `cargo bench --bench outbox`: every figure of DESIGN §9, each beside a
+//! baseline measured in the same run where one applies. Prints a table and
+//! writes `target/outbox-bench/summary.json`. `OUTBOX_BENCH_QUICK=1` runs a
+//! smoke version (CI runs it so the benches never rot). RabbitMQ figures
+//! need `OUTBOX_AMQP_URL`; without it their row says NOT MEASURED.
+
+mod common;
+mod memory;
+mod rabbit;
+mod sqlite;
+
+fn main() {
+    if let Ok(n) = std::env::var("OUTBOX_BENCH_RSS_CHILD") {
+        sqlite::rss_child(n.parse().expect("message count"));
+        return;
+    }
+    let quick = common::quick();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut figures = Vec::new();
+    rt.block_on(async {
+        figures.extend(memory::figures(quick).await);
+        figures.extend(sqlite::figures(quick).await);
+        figures.extend(rabbit::figures(quick).await);
+    });
+    common::print_table(&figures);
+    println!(
+        "\n{} mode, {:.0} s, {} cores",
+        if quick { "quick" } else { "full" },
+        started.elapsed().as_secs_f64(),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    common::write_summary(&figures);
+}

@@ -1,0 +1,312 @@
+//! Figures against a real RabbitMQ (`OUTBOX_AMQP_URL`): relay drain beside
+//! bare lapin publishing with confirms at the same window, and commit →
+//! broker-confirm latency at 1k msg/s offered.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use outbox::memory::MemoryStore;
+use outbox::rabbitmq::RabbitTransport;
+use outbox::rabbitmq::lapin::options::{
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    QueuePurgeOptions,
+};
+use outbox::rabbitmq::lapin::types::FieldTable;
+use outbox::rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
+use outbox::sqlite::rusqlite::TransactionBehavior;
+use outbox::{Message, MessageId, MessageKind, NewMessage, Outcome, Relay, Transport};
+
+use crate::common::{Figure, histogram, latency_rows, not_measured};
+use crate::sqlite::{app_connection, open};
+
+const PAYLOAD: usize = 200;
+
+fn payload(i: usize) -> Vec<u8> {
+    let mut p = vec![b'x'; PAYLOAD];
+    p[..8].copy_from_slice(&i.to_le_bytes());
+    p
+}
+
+struct Broker {
+    url: String,
+    connection: Connection,
+    queue: String,
+}
+
+impl Broker {
+    async fn connect(url: &str) -> Result<Broker, String> {
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .map_err(|e| format!("cannot connect: {e}"))?;
+        let queue = format!("outbox-bench-{}", MessageId::new());
+        let ch = connection
+            .create_channel()
+            .await
+            .map_err(|e| e.to_string())?;
+        ch.queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(Broker {
+            url: url.to_owned(),
+            connection,
+            queue,
+        })
+    }
+
+    async fn purge(&self) {
+        let ch = self.connection.create_channel().await.unwrap();
+        ch.queue_purge(self.queue.as_str().into(), QueuePurgeOptions::default())
+            .await
+            .unwrap();
+    }
+
+    async fn delete(&self) {
+        let ch = self.connection.create_channel().await.unwrap();
+        let _ = ch
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+
+    async fn transport(&self) -> RabbitTransport {
+        RabbitTransport::builder(self.url.clone())
+            .with_routing_key(self.queue.clone())
+            .build()
+            .await
+            .unwrap()
+    }
+}
+
+/// Bare lapin: persistent, mandatory, confirms; publish `window`, await all, repeat.
+async fn bare_lapin(b: &Broker, n: usize, window: usize) -> f64 {
+    let ch = b.connection.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut sent = 0;
+    while sent < n {
+        let end = (sent + window).min(n);
+        let mut confirms = Vec::with_capacity(end - sent);
+        for i in sent..end {
+            let props = BasicProperties::default()
+                .with_message_id(MessageId::new().to_string().into())
+                .with_type("Bench".into())
+                .with_content_type("application/octet-stream".into())
+                .with_delivery_mode(2);
+            confirms.push(
+                ch.basic_publish(
+                    "".into(),
+                    b.queue.as_str().into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &payload(i),
+                    props,
+                )
+                .await
+                .unwrap(),
+            );
+        }
+        for c in confirms {
+            assert!(c.await.unwrap().is_ack());
+        }
+        sent = end;
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+fn integration(i: usize) -> NewMessage {
+    NewMessage::new(MessageKind::Integration, "Bench", payload(i))
+}
+
+async fn relay_memory(b: &Broker, n: usize, window: usize) -> f64 {
+    let store = MemoryStore::new();
+    let mut tx = store.begin();
+    for i in 0..n {
+        tx.enqueue(integration(i)).unwrap();
+    }
+    tx.commit().unwrap();
+    let relay = Relay::builder(store)
+        .transport(b.transport().await)
+        .batch_size(window)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.delivered as usize, n, "{report:?}");
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+async fn relay_sqlite(b: &Broker, n: usize, window: usize) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    {
+        let mut conn = app_connection(store.path());
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        for i in 0..n {
+            store
+                .outbox()
+                .enqueue_rusqlite(&tx, integration(i))
+                .unwrap();
+        }
+        tx.commit().unwrap();
+    }
+    let relay = Relay::builder(store)
+        .transport(b.transport().await)
+        .batch_size(window)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.delivered as usize, n, "{report:?}");
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Records when each message's confirm came back.
+#[derive(Debug)]
+struct Timed {
+    inner: RabbitTransport,
+    confirmed: Arc<Mutex<HashMap<MessageId, Instant>>>,
+}
+
+#[async_trait]
+impl Transport for Timed {
+    async fn send(&self, batch: &[Message]) -> Vec<Outcome> {
+        let outcomes = self.inner.send(batch).await;
+        let now = Instant::now();
+        let mut map = self.confirmed.lock().unwrap();
+        for (m, o) in batch.iter().zip(&outcomes) {
+            if *o == Outcome::Delivered {
+                map.insert(m.id, now);
+            }
+        }
+        outcomes
+    }
+    async fn probe(&self) -> Result<(), String> {
+        self.inner.probe().await
+    }
+}
+
+/// Commit (SQLite) → broker confirm, one message per transaction, `rate` msg/s.
+async fn confirm_latency(
+    b: &Broker,
+    rate: u64,
+    duration: Duration,
+) -> hdrhistogram::Histogram<u64> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    let confirmed: Arc<Mutex<HashMap<MessageId, Instant>>> = Default::default();
+    let relay = Relay::builder(store.clone())
+        .transport(Timed {
+            inner: b.transport().await,
+            confirmed: confirmed.clone(),
+        })
+        .batch_size(100)
+        .spawn()
+        .unwrap();
+    relay.until_idle().await.unwrap();
+    let total = (rate as f64 * duration.as_secs_f64()) as usize;
+    let path = store.path().to_owned();
+    let outbox = store.outbox();
+    let commits = tokio::task::spawn_blocking(move || {
+        let mut conn = app_connection(&path);
+        let mut commits = Vec::with_capacity(total);
+        let gap = Duration::from_secs_f64(1.0 / rate as f64);
+        let mut next = Instant::now();
+        for i in 0..total {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .unwrap();
+            let id = outbox.enqueue_rusqlite(&tx, integration(i)).unwrap();
+            let at = Instant::now();
+            tx.commit().unwrap();
+            commits.push((id, at));
+            next += gap;
+            if let Some(w) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(w);
+            }
+        }
+        commits
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while confirmed.lock().unwrap().len() < total && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    relay.shutdown().await;
+    let confirmed = confirmed.lock().unwrap();
+    let mut hist = histogram();
+    for (id, at) in commits {
+        if let Some(c) = confirmed.get(&id) {
+            hist.record(c.duration_since(at).as_micros() as u64)
+                .unwrap();
+        }
+    }
+    assert_eq!(hist.len() as usize, total, "every message confirmed");
+    hist
+}
+
+pub async fn figures(quick: bool) -> Vec<Figure> {
+    let Ok(url) = std::env::var("OUTBOX_AMQP_URL") else {
+        return vec![not_measured(
+            "RabbitMQ figures",
+            "OUTBOX_AMQP_URL is unset (e.g. amqp://guest:guest@127.0.0.1:5672/%2f)",
+        )];
+    };
+    let b = match Broker::connect(&url).await {
+        Ok(b) => b,
+        Err(e) => return vec![not_measured("RabbitMQ figures", &e)],
+    };
+    let n = if quick { 5_000 } else { 50_000 };
+    let mut out = Vec::new();
+    for window in [100, 500] {
+        b.purge().await;
+        let bare = bare_lapin(&b, n, window).await;
+        b.purge().await;
+        let mem = relay_memory(&b, n, window).await;
+        b.purge().await;
+        let sql = relay_sqlite(&b, n, window).await;
+        b.purge().await;
+        out.push(
+            Figure::new(
+                format!(
+                    "drain {n} to RabbitMQ (persistent, confirms), memory store, window {window}"
+                ),
+                mem,
+                "msg/s",
+                "≥ 0.9 × bare lapin",
+            )
+            .beside(format!("bare lapin, confirms, window {window}"), bare),
+        );
+        out.push(
+            Figure::new(
+                format!(
+                    "drain {n} to RabbitMQ (persistent, confirms), SQLite store, window {window}"
+                ),
+                sql,
+                "msg/s",
+                "≥ 0.9 × bare lapin",
+            )
+            .beside(format!("bare lapin, confirms, window {window}"), bare),
+        );
+    }
+    let hist = confirm_latency(&b, 1000, Duration::from_secs(if quick { 2 } else { 10 })).await;
+    out.extend(latency_rows(
+        "commit → broker confirm, SQLite, 1k msg/s offered",
+        &hist,
+        "≤ 5 ms",
+        "≤ 20 ms",
+    ));
+    b.delete().await;
+    out
+}

@@ -1,0 +1,442 @@
+//! Figures on the SQLite backend: enqueue overhead (sqlx and rusqlite),
+//! drain throughput beside a bare rusqlite loop running the same SQL,
+//! latency, and peak RSS while draining a large backlog.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox::sqlite::SqliteStore;
+use outbox::sqlite::rusqlite::{self, TransactionBehavior, params};
+use outbox::sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
+use outbox::{Handlers, Message, MessageKind, NewMessage, Relay, Timestamp};
+
+use crate::common::{Figure, counting_handlers, histogram, latency_rows};
+
+pub async fn open(dir: &Path) -> SqliteStore {
+    let store = SqliteStore::open(dir.join("bench.db")).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+/// The application's own connection, configured as a production app would.
+pub fn app_connection(path: &Path) -> rusqlite::Connection {
+    let conn = rusqlite::Connection::open(path).unwrap();
+    conn.busy_timeout(Duration::from_secs(5)).unwrap();
+    conn.execute_batch(
+        "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;
+         CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, customer TEXT NOT NULL, total INTEGER NOT NULL);",
+    )
+    .unwrap();
+    conn
+}
+
+pub fn bench_message(i: usize) -> NewMessage {
+    NewMessage::new(MessageKind::Domain, "Bench", i.to_le_bytes().to_vec())
+}
+
+/// Enqueues `n` messages in transactions of 10 000.
+pub fn fill(store: &SqliteStore, n: usize) {
+    let mut conn = app_connection(store.path());
+    let outbox = store.outbox();
+    for chunk in (0..n).collect::<Vec<_>>().chunks(10_000) {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        for &i in chunk {
+            outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
+        }
+        tx.commit().unwrap();
+    }
+}
+
+/// Business transaction (one order row) with and without one enqueue, via
+/// rusqlite, alternating blocks so that both see the same machine.
+fn enqueue_overhead_rusqlite(store: &SqliteStore, iterations: usize) -> (f64, f64) {
+    let mut conn = app_connection(store.path());
+    let outbox = store.outbox();
+    let (mut plain, mut with) = (Duration::ZERO, Duration::ZERO);
+    let block = 100;
+    let mut id = 0i64;
+    for round in 0..iterations / block {
+        for enqueue in [round % 2 == 0, round % 2 != 0] {
+            let start = Instant::now();
+            for _ in 0..block {
+                id += 1;
+                let tx = conn
+                    .transaction_with_behavior(TransactionBehavior::Immediate)
+                    .unwrap();
+                tx.execute(
+                    "INSERT INTO orders (id, customer, total) VALUES (?1, 'alice', 4200)",
+                    params![id],
+                )
+                .unwrap();
+                if enqueue {
+                    outbox
+                        .enqueue_rusqlite(&tx, bench_message(id as usize))
+                        .unwrap();
+                }
+                tx.commit().unwrap();
+            }
+            *(if enqueue { &mut with } else { &mut plain }) += start.elapsed();
+        }
+    }
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / (iterations / 2) as f64;
+    (per(with), per(plain))
+}
+
+/// The same through sqlx.
+async fn enqueue_overhead_sqlx(store: &SqliteStore, iterations: usize) -> (f64, f64) {
+    drop(app_connection(store.path()));
+    let pool = SqlitePoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            SqliteConnectOptions::new()
+                .filename(store.path())
+                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                .synchronous(sqlx::sqlite::SqliteSynchronous::Normal),
+        )
+        .await
+        .unwrap();
+    let outbox = store.outbox();
+    let (mut plain, mut with) = (Duration::ZERO, Duration::ZERO);
+    let block = 100;
+    let mut id = 1_000_000_000i64;
+    for round in 0..iterations / block {
+        for enqueue in [round % 2 == 0, round % 2 != 0] {
+            let start = Instant::now();
+            for _ in 0..block {
+                id += 1;
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+                sqlx::query("INSERT INTO orders (id, customer, total) VALUES (?, 'alice', 4200)")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                if enqueue {
+                    outbox
+                        .enqueue(&mut *tx, bench_message(id as usize))
+                        .await
+                        .unwrap();
+                }
+                tx.commit().await.unwrap();
+            }
+            *(if enqueue { &mut with } else { &mut plain }) += start.elapsed();
+        }
+    }
+    let per = |d: Duration| d.as_secs_f64() * 1e6 / (iterations / 2) as f64;
+    (per(with), per(plain))
+}
+
+async fn drain(n: usize, batch: usize) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    fill(&store, n);
+    let relay = Relay::builder(store.clone())
+        .dispatcher(counting_handlers(Arc::new(AtomicU64::new(0))))
+        .batch_size(batch)
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    let report = relay.drain().await.unwrap();
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(report.delivered as usize, n);
+    n as f64 / secs
+}
+
+/// A bare rusqlite loop running the store's own claim and complete SQL.
+async fn drain_bare(n: usize, batch: usize) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    fill(&store, n);
+    let (claim, complete) = (
+        store.claim_statement().to_owned(),
+        store.complete_statement().to_owned(),
+    );
+    let path = store.path().to_owned();
+    tokio::task::spawn_blocking(move || {
+        let mut conn = app_connection(&path);
+        let start = Instant::now();
+        let mut done = 0;
+        loop {
+            let now = Timestamp::now().as_millis();
+            let ids: Vec<String> = conn
+                .prepare_cached(&claim)
+                .unwrap()
+                .query_map(
+                    params!["bare", now + 60_000, now, None::<String>, batch as i64],
+                    |r| r.get::<_, String>(1),
+                )
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap();
+            if ids.is_empty() {
+                break;
+            }
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .unwrap();
+            {
+                let mut stmt = tx.prepare_cached(&complete).unwrap();
+                for id in &ids {
+                    stmt.execute(params![now, id]).unwrap();
+                }
+            }
+            tx.commit().unwrap();
+            done += ids.len();
+        }
+        assert_eq!(done, n);
+        n as f64 / start.elapsed().as_secs_f64()
+    })
+    .await
+    .unwrap()
+}
+
+/// Commit → handled with one message per transaction, `gap` apart.
+async fn latency_light(samples: usize, gap: Duration) -> hdrhistogram::Histogram<u64> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    let (tx_done, mut rx_done) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let handlers = Handlers::new().on_message("Bench", move |_m: &Message| {
+        let _ = tx_done.send(Instant::now());
+        async { Ok::<_, std::io::Error>(()) }
+    });
+    let relay = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .spawn()
+        .unwrap();
+    relay.until_idle().await.unwrap();
+    let mut conn = app_connection(store.path());
+    let outbox = store.outbox();
+    let mut hist = histogram();
+    for i in 0..samples {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
+        let committed = Instant::now();
+        tx.commit().unwrap();
+        let handled = rx_done.recv().await.unwrap();
+        hist.record(handled.duration_since(committed).as_micros() as u64)
+            .unwrap();
+        tokio::time::sleep(gap).await;
+    }
+    relay.shutdown().await;
+    hist
+}
+
+/// Commit → handled while a writer thread offers `rate` msg/s (in
+/// transactions every millisecond) for `duration`.
+async fn latency_loaded(
+    rate: f64,
+    duration: Duration,
+    batch: usize,
+) -> (hdrhistogram::Histogram<u64>, f64) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    let total = (rate * duration.as_secs_f64()) as usize;
+    let base = Instant::now();
+    let committed: Arc<Vec<AtomicU64>> = Arc::new((0..total).map(|_| AtomicU64::new(0)).collect());
+    let hist = Arc::new(Mutex::new(histogram()));
+    let handled = Arc::new(AtomicU64::new(0));
+    let (c, h, n) = (committed.clone(), hist.clone(), handled.clone());
+    let handlers = Handlers::new().on_message("Bench", move |m: &Message| {
+        let i = usize::from_le_bytes(m.payload[..8].try_into().unwrap());
+        let at = c[i].load(Ordering::Acquire);
+        let now = base.elapsed().as_micros() as u64;
+        h.lock().unwrap().record(now.saturating_sub(at)).unwrap();
+        n.fetch_add(1, Ordering::Relaxed);
+        async { Ok::<_, std::io::Error>(()) }
+    });
+    let relay = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .batch_size(batch)
+        .spawn()
+        .unwrap();
+    relay.until_idle().await.unwrap();
+    let path: PathBuf = store.path().to_owned();
+    let outbox = store.outbox();
+    let per_tick = ((rate / 1000.0).ceil() as usize).max(1);
+    let writer = std::thread::spawn(move || {
+        let mut conn = app_connection(&path);
+        let mut i = 0;
+        let mut next = Instant::now();
+        while i < total {
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .unwrap();
+            let end = (i + per_tick).min(total);
+            for j in i..end {
+                outbox.enqueue_rusqlite(&tx, bench_message(j)).unwrap();
+            }
+            // Stamped before COMMIT: conservative (includes the commit itself).
+            let at = base.elapsed().as_micros() as u64;
+            for j in i..end {
+                committed[j].store(at, Ordering::Release);
+            }
+            tx.commit().unwrap();
+            i = end;
+            next += Duration::from_millis(1);
+            if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+    });
+    let started = Instant::now();
+    tokio::task::spawn_blocking(move || writer.join().unwrap())
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while handled.load(Ordering::Relaxed) < total as u64 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let achieved = handled.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    relay.shutdown().await;
+    let hist = hist.lock().unwrap().clone();
+    (hist, achieved)
+}
+
+fn rss_kb(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with(field))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Child mode: fill `n`, reset the peak-RSS mark, drain with the relay, and
+/// print `rss_before_kb peak_kb seconds`.
+pub fn rss_child(n: usize) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        fill(&store, n);
+        let relay = Relay::builder(store.clone())
+            .dispatcher(counting_handlers(Arc::new(AtomicU64::new(0))))
+            .batch_size(500)
+            .build()
+            .unwrap();
+        // Linux: writing 5 to clear_refs resets VmHWM to the current RSS.
+        let _ = std::fs::write("/proc/self/clear_refs", "5");
+        let before = rss_kb("VmRSS:");
+        let start = Instant::now();
+        let report = relay.drain().await.unwrap();
+        assert_eq!(report.delivered as usize, n);
+        println!(
+            "{before} {} {:.3}",
+            rss_kb("VmHWM:"),
+            start.elapsed().as_secs_f64()
+        );
+    });
+}
+
+fn rss_figure(n: usize) -> Figure {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .env("OUTBOX_BENCH_RSS_CHILD", n.to_string())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let fields: Vec<f64> = text
+        .split_whitespace()
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    if !out.status.success() || fields.len() != 3 {
+        return crate::common::not_measured(
+            &format!("peak RSS draining {n} pending"),
+            &format!(
+                "child failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            ),
+        );
+    }
+    Figure::new(
+        format!(
+            "peak RSS while draining {n} pending, SQLite, batch 500 ({:.1} s)",
+            fields[2]
+        ),
+        fields[1] / 1024.0,
+        "MB",
+        "flat; < 100 MB",
+    )
+    .beside(
+        "RSS of the same process just before the drain",
+        fields[0] / 1024.0,
+    )
+}
+
+pub async fn figures(quick: bool) -> Vec<Figure> {
+    let mut out = Vec::new();
+    let iterations = if quick { 1_000 } else { 10_000 };
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let store = open(dir.path()).await;
+        let path = store.path().to_owned();
+        let s = store.clone();
+        let (with, plain) =
+            tokio::task::spawn_blocking(move || enqueue_overhead_rusqlite(&s, iterations))
+                .await
+                .unwrap();
+        out.push(
+            Figure::new(
+                "business tx + one enqueue, rusqlite",
+                with,
+                "µs/tx",
+                "ratio ≤ 1.5",
+            )
+            .beside("the same tx without the enqueue", plain),
+        );
+        let (with, plain) = enqueue_overhead_sqlx(&store, iterations).await;
+        out.push(
+            Figure::new(
+                "business tx + one enqueue, sqlx",
+                with,
+                "µs/tx",
+                "ratio ≤ 1.5",
+            )
+            .beside("the same tx without the enqueue", plain),
+        );
+        drop(path);
+    }
+    let n = if quick { 10_000 } else { 100_000 };
+    let mut capacity: f64 = 0.0;
+    for batch in [20, 100, 500] {
+        let bare = drain_bare(n, batch).await;
+        let relay = drain(n, batch).await;
+        if batch == 100 {
+            capacity = relay;
+        }
+        out.push(
+            Figure::new(
+                format!("drain {n} to an in-process handler, SQLite, batch {batch}"),
+                relay,
+                "msg/s",
+                "≥ 0.5 × bare and ≥ 100k msg/s",
+            )
+            .beside("bare rusqlite loop, same claim + complete SQL", bare),
+        );
+    }
+    let hist = latency_light(if quick { 300 } else { 3000 }, Duration::from_millis(2)).await;
+    out.extend(latency_rows(
+        "commit → handled, SQLite, light load (1 msg / 2 ms)",
+        &hist,
+        "≤ 0.5 ms",
+        "≤ 2 ms",
+    ));
+    let rate = (capacity * 0.8).min(200_000.0);
+    let (hist, achieved) =
+        latency_loaded(rate, Duration::from_secs(if quick { 1 } else { 5 }), 100).await;
+    out.extend(latency_rows(&format!("commit → handled, SQLite, {rate:.0} msg/s offered (80 % of capacity; {achieved:.0} achieved)"), &hist, "—", "—"));
+    out.push(rss_figure(if quick { 100_000 } else { 1_000_000 }));
+    out
+}
