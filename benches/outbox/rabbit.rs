@@ -8,15 +8,15 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox::memory::MemoryStore;
-use outbox::rabbitmq::RabbitTransport;
-use outbox::rabbitmq::lapin::options::{
+use outbox::{Message, MessageId, MessageKind, NewMessage, Outcome, Relay, Transport};
+use outbox_rabbitmq::RabbitTransport;
+use outbox_rabbitmq::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
     QueuePurgeOptions,
 };
-use outbox::rabbitmq::lapin::types::FieldTable;
-use outbox::rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox::sqlite::rusqlite::TransactionBehavior;
-use outbox::{Message, MessageId, MessageKind, NewMessage, Outcome, Relay, Transport};
+use outbox_rabbitmq::lapin::types::FieldTable;
+use outbox_rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
+use outbox_sqlite::rusqlite::TransactionBehavior;
 
 use crate::common::{Figure, histogram, latency_rows, not_measured};
 use crate::sqlite::{app_connection, open};

@@ -7,10 +7,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox::sqlite::SqliteStore;
-use outbox::sqlite::rusqlite::{self, TransactionBehavior, params};
-use outbox::sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
 use outbox::{Handlers, Message, MessageKind, NewMessage, Relay, Timestamp};
+use outbox_sqlite::SqliteStore;
+use outbox_sqlite::rusqlite::{self, TransactionBehavior, params};
+use outbox_sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
 
 use crate::common::{Figure, counting_handlers, histogram, latency_rows};
 
