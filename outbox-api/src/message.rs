@@ -316,6 +316,8 @@ pub mod limits {
     pub const MAX_KEY_LEN: usize = 255;
     /// Longest header name, in bytes.
     pub const MAX_HEADER_NAME_LEN: usize = 255;
+    /// Longest exchange name and routing key, in bytes (AMQP short strings).
+    pub const MAX_DESTINATION_LEN: usize = 255;
 }
 
 /// A message to enqueue: built here, validated, then written inside the
@@ -469,6 +471,17 @@ impl NewMessage {
                     "trace_parent `{}` is not a W3C traceparent (00-<32 hex>-<16 hex>-<2 hex>)",
                     tp.escape_debug()
                 )));
+            }
+        }
+        if let Some(d) = &self.destination {
+            for (field, value) in [("exchange", &d.exchange), ("routing key", &d.routing_key)] {
+                if value.len() > limits::MAX_DESTINATION_LEN {
+                    return Err(Error::invalid_input(format!(
+                        "destination {field} is {} bytes long; at most {} are allowed",
+                        value.len(),
+                        limits::MAX_DESTINATION_LEN
+                    )));
+                }
             }
         }
         if self.kind == MessageKind::Domain && self.destination.is_some() {

@@ -151,6 +151,8 @@ pub trait Store: Send + Sync + Debug + 'static {
 /// detect other processes' commits — and otherwise after `timeout`.
 /// Spurious wake-ups are allowed; missed ones are not: a change that
 /// happened while the caller was busy makes the next `wait` return at once.
+/// `wait` is cancel-safe: the relay calls it inside `select!`, and a change
+/// seen by a dropped `wait` future is reported by the next call.
 #[async_trait]
 pub trait WorkListener: Send + 'static {
     /// Waits for a change or `timeout`; returns whether a change was seen.
