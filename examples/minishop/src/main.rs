@@ -1,0 +1,2 @@
+//! MiniShop (work in progress).
+fn main() {}
