@@ -476,7 +476,7 @@ impl Relay {
     }
 
     fn delivery_span(m: &Message) -> Span {
-        tracing::info_span!(
+        let span = tracing::info_span!(
             "outbox.deliver",
             message.id = %m.id,
             message.type = %m.message_type,
@@ -485,7 +485,9 @@ impl Relay {
             message.attempt = m.attempts + 1,
             trace_parent = m.trace_parent.as_deref(),
             outcome = tracing::field::Empty,
-        )
+        );
+        outbox_api::trace::continue_trace(&span, m.trace_parent.as_deref());
+        span
     }
 
     /// Delivers one wave: domain messages through the dispatcher

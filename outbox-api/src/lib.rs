@@ -15,6 +15,7 @@ mod health;
 mod message;
 mod retry;
 mod store;
+pub mod trace;
 mod transport;
 
 #[cfg(feature = "testing")]

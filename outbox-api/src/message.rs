@@ -494,8 +494,11 @@ impl NewMessage {
     }
 
     /// Validates and turns this into the stored form, enqueued at `now`.
+    /// Without an explicit `trace_parent`, the current span's is captured
+    /// (feature `opentelemetry`; see [`trace`](crate::trace)).
     pub fn into_message(self, now: Timestamp) -> Result<Message> {
         self.validate()?;
+        let trace_parent = self.trace_parent.or_else(crate::trace::current_traceparent);
         Ok(Message {
             id: self.id.unwrap_or_default(),
             kind: self.kind,
@@ -505,7 +508,7 @@ impl NewMessage {
             payload: self.payload,
             content_type: self.content_type,
             headers: self.headers,
-            trace_parent: self.trace_parent,
+            trace_parent,
             created_at: now,
             available_at: now.add(self.delay),
             attempts: 0,

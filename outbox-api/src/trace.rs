@@ -1,0 +1,79 @@
+//! Trace context across the outbox: the W3C `traceparent` of the span that
+//! enqueued a message is stored with it, and the span that delivers it
+//! continues that trace.
+//!
+//! With the `opentelemetry` feature and a `tracing-opentelemetry` layer
+//! installed, [`current_traceparent`] reads the current span's context (and
+//! [`NewMessage`](crate::NewMessage) captures it at enqueue when none was
+//! set), and [`continue_trace`] makes a delivery span a child of the stored
+//! context. Without the feature both do nothing.
+
+/// The W3C `traceparent` of the current span, if it has a valid
+/// OpenTelemetry context.
+pub fn current_traceparent() -> Option<String> {
+    imp::current()
+}
+
+/// Makes `span` a child of `traceparent` (a no-op for `None`, an invalid
+/// value, or without the `opentelemetry` feature).
+pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) {
+    if let Some(tp) = traceparent {
+        imp::continue_trace(span, tp);
+    }
+}
+
+#[cfg(feature = "opentelemetry")]
+mod imp {
+    use opentelemetry::Context;
+    use opentelemetry::trace::{
+        SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState,
+    };
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+
+    pub fn current() -> Option<String> {
+        let cx = tracing::Span::current().context();
+        let span = cx.span();
+        let sc = span.span_context();
+        sc.is_valid().then(|| {
+            format!(
+                "00-{}-{}-{:02x}",
+                sc.trace_id(),
+                sc.span_id(),
+                sc.trace_flags().to_u8()
+            )
+        })
+    }
+
+    fn parse(tp: &str) -> Option<SpanContext> {
+        if !crate::is_valid_traceparent(tp) {
+            return None;
+        }
+        let mut parts = tp.split('-').skip(1);
+        let trace_id = TraceId::from_hex(parts.next()?).ok()?;
+        let span_id = SpanId::from_hex(parts.next()?).ok()?;
+        let flags = u8::from_str_radix(parts.next()?, 16).ok()?;
+        Some(SpanContext::new(
+            trace_id,
+            span_id,
+            TraceFlags::new(flags),
+            true,
+            TraceState::default(),
+        ))
+    }
+
+    pub fn continue_trace(span: &tracing::Span, tp: &str) {
+        if let Some(sc) = parse(tp) {
+            // Fails only if the span has no OpenTelemetry layer: nothing to continue then.
+            let _ = span.set_parent(Context::new().with_remote_span_context(sc));
+        }
+    }
+}
+
+#[cfg(not(feature = "opentelemetry"))]
+mod imp {
+    pub fn current() -> Option<String> {
+        None
+    }
+
+    pub fn continue_trace(_span: &tracing::Span, _tp: &str) {}
+}
