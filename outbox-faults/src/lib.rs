@@ -1,1 +1,29 @@
-//! Fault tests of outbox-rs (work in progress).
+//! Process-level fault tests of outbox-rs.
+//!
+//! The library holds what the tests and the `relay-child` binary share:
+//!
+//! * [`ChildArgs`]: the command line of the child relay, written by the
+//!   tests and parsed by the child;
+//! * [`Receiver`]: the domain handler that records each delivery in a
+//!   receiver database, inbox and effect in one transaction;
+//! * [`CountingStore`]: a [`Store`](outbox_api::Store) wrapper that records
+//!   every error the relay gets from the store, naming the call;
+//! * [`RelayChild`]: a child relay process that is killed when dropped;
+//! * [`check`]: enqueueing test messages, waiting on conditions, and
+//!   checking what was delivered.
+//!
+//! The tests themselves are in `tests/`; see the crate's README.
+
+mod args;
+pub mod check;
+mod child;
+mod counting;
+mod receiver;
+
+pub use args::ChildArgs;
+pub use child::RelayChild;
+pub use counting::CountingStore;
+pub use receiver::{
+    MESSAGE_TYPE, RECEIVER_INBOX_TABLE, RECEIVER_OUTBOX_TABLE, Receiver, open_connection,
+    prepare_receiver_schema,
+};

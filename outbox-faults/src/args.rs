@@ -1,0 +1,136 @@
+//! The child relay's command line.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What a `relay-child` process is told: where the databases are, who it
+/// is, and how its relay is configured. [`to_args`](Self::to_args) and
+/// [`parse`](Self::parse) are inverses.
+#[derive(Debug, Clone)]
+pub struct ChildArgs {
+    /// The SQLite file holding the outbox table (`outbox`).
+    pub outbox_db: PathBuf,
+    /// The SQLite file holding the receiver's tables (may equal `outbox_db`).
+    pub receiver_db: PathBuf,
+    /// The relay's worker id (`locked_by`), also recorded with each effect.
+    pub worker: String,
+    /// Messages claimed at once.
+    pub batch_size: usize,
+    /// The lease of each claim.
+    pub lease: Duration,
+    /// The relay's handler timeout (must be shorter than the lease).
+    pub handler_timeout: Duration,
+    /// The relay's poll interval (expired leases are found by polling).
+    pub poll_interval: Duration,
+    /// How long the handler sleeps before its receiver transaction, to keep
+    /// leases held (takeover test).
+    pub handler_delay: Duration,
+    /// Handlers running at once within a batch.
+    pub concurrency: usize,
+    /// The inbox consumer name.
+    pub consumer: String,
+}
+
+impl ChildArgs {
+    /// Defaults for a quick child: batch 50, lease 1 s, handler timeout
+    /// 800 ms, poll 50 ms, no handler delay, concurrency 16, consumer `faults`.
+    pub fn new(
+        outbox_db: impl Into<PathBuf>,
+        receiver_db: impl Into<PathBuf>,
+        worker: impl Into<String>,
+    ) -> Self {
+        ChildArgs {
+            outbox_db: outbox_db.into(),
+            receiver_db: receiver_db.into(),
+            worker: worker.into(),
+            batch_size: 50,
+            lease: Duration::from_millis(1000),
+            handler_timeout: Duration::from_millis(800),
+            poll_interval: Duration::from_millis(50),
+            handler_delay: Duration::ZERO,
+            concurrency: 16,
+            consumer: "faults".to_owned(),
+        }
+    }
+
+    /// The command-line arguments that [`parse`](Self::parse) reads back.
+    pub fn to_args(&self) -> Vec<String> {
+        let ms = |d: Duration| d.as_millis().to_string();
+        vec![
+            "--outbox-db".into(),
+            self.outbox_db.display().to_string(),
+            "--receiver-db".into(),
+            self.receiver_db.display().to_string(),
+            "--worker".into(),
+            self.worker.clone(),
+            "--batch".into(),
+            self.batch_size.to_string(),
+            "--lease-ms".into(),
+            ms(self.lease),
+            "--handler-timeout-ms".into(),
+            ms(self.handler_timeout),
+            "--poll-ms".into(),
+            ms(self.poll_interval),
+            "--handler-delay-ms".into(),
+            ms(self.handler_delay),
+            "--concurrency".into(),
+            self.concurrency.to_string(),
+            "--consumer".into(),
+            self.consumer.clone(),
+        ]
+    }
+
+    /// Parses `--name value` pairs; every option of [`to_args`](Self::to_args)
+    /// is optional except the two databases and the worker id.
+    pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Self, String> {
+        let mut a = ChildArgs::new("", "", "");
+        let mut it = args.into_iter();
+        while let Some(name) = it.next() {
+            let value = it
+                .next()
+                .ok_or_else(|| format!("option `{name}` needs a value"))?;
+            let num = |v: &str| -> Result<u64, String> {
+                v.parse::<u64>()
+                    .map_err(|e| format!("option `{name}`: `{v}` is not a number: {e}"))
+            };
+            match name.as_str() {
+                "--outbox-db" => a.outbox_db = value.into(),
+                "--receiver-db" => a.receiver_db = value.into(),
+                "--worker" => a.worker = value,
+                "--batch" => a.batch_size = num(&value)? as usize,
+                "--lease-ms" => a.lease = Duration::from_millis(num(&value)?),
+                "--handler-timeout-ms" => a.handler_timeout = Duration::from_millis(num(&value)?),
+                "--poll-ms" => a.poll_interval = Duration::from_millis(num(&value)?),
+                "--handler-delay-ms" => a.handler_delay = Duration::from_millis(num(&value)?),
+                "--concurrency" => a.concurrency = num(&value)? as usize,
+                "--consumer" => a.consumer = value,
+                other => return Err(format!("unknown option `{other}`")),
+            }
+        }
+        if a.outbox_db.as_os_str().is_empty() {
+            return Err("`--outbox-db PATH` is required".into());
+        }
+        if a.receiver_db.as_os_str().is_empty() {
+            return Err("`--receiver-db PATH` is required".into());
+        }
+        if a.worker.is_empty() {
+            return Err("`--worker ID` is required".into());
+        }
+        Ok(a)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args_round_trip() {
+        let mut a = ChildArgs::new("/tmp/a.db", "/tmp/b.db", "w1");
+        a.handler_delay = Duration::from_millis(1234);
+        a.batch_size = 7;
+        let b = ChildArgs::parse(a.to_args()).unwrap();
+        assert_eq!(format!("{a:?}"), format!("{b:?}"));
+        assert!(ChildArgs::parse(vec!["--worker".into(), "x".into()]).is_err());
+    }
+}
