@@ -3,6 +3,8 @@
 //! writes `target/outbox-bench/summary.json`. `OUTBOX_BENCH_QUICK=1` runs a
 //! smoke version (CI runs it so the benches never rot). RabbitMQ figures
 //! need `OUTBOX_AMQP_URL`; without it their row says NOT MEASURED.
+//! `cargo bench --bench outbox -- sqlite` runs only the named groups
+//! (memory, sqlite, rabbitmq).
 
 mod common;
 mod memory;
@@ -22,10 +24,19 @@ fn main() {
         .unwrap();
     let started = std::time::Instant::now();
     let mut figures = Vec::new();
+    // `cargo bench --bench outbox -- sqlite` runs only the groups named.
+    let groups: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let wanted = |g: &str| groups.is_empty() || groups.iter().any(|w| g.contains(w.as_str()));
     rt.block_on(async {
-        figures.extend(memory::figures(quick).await);
-        figures.extend(sqlite::figures(quick).await);
-        figures.extend(rabbit::figures(quick).await);
+        if wanted("memory") {
+            figures.extend(memory::figures(quick).await);
+        }
+        if wanted("sqlite") {
+            figures.extend(sqlite::figures(quick).await);
+        }
+        if wanted("rabbitmq") {
+            figures.extend(rabbit::figures(quick).await);
+        }
     });
     common::print_table(&figures);
     println!(

@@ -3,12 +3,28 @@
 #![warn(missing_docs)]
 
 mod config;
+#[cfg(feature = "sqlite-inbox")]
+mod consumer;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod topology;
 mod transport;
 
 pub use config::{MAX_SHORT_STRING, RabbitConfig, URL_ENV};
 pub use topology::{ExchangeType, Topology};
 pub use transport::{KEY_HEADER, RabbitTransport, TRACEPARENT_HEADER};
+
+#[cfg(feature = "sqlite-inbox")]
+pub use consumer::{
+    ConsumerHandle, ConsumerStats, FnHandler, HandlerFuture, InboxHandler, RabbitConsumer,
+    RabbitConsumerBuilder, Received, handler_fn,
+};
+/// The handler error type of [`InboxHandler`] (any boxed error).
+#[cfg(feature = "sqlite-inbox")]
+pub use outbox_api::HandlerError;
+/// The SQLite backend the consumer's inbox lives in (and its `sqlx`), re-exported.
+#[cfg(feature = "sqlite-inbox")]
+pub use outbox_sqlite as sqlite;
 
 /// The AMQP client this crate is built on, for code that needs its types
 /// (e.g. [`Topology::declare_on`] takes a `lapin::Channel`).

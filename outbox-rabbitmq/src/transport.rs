@@ -272,41 +272,7 @@ impl RabbitTransport {
     }
 
     fn connect_error(&self, e: &lapin::Error) -> Error {
-        let uri = &self.inner.uri;
-        let user = &uri.authority.userinfo.username;
-        let host = format!("{}:{}", uri.authority.host, uri.authority.port);
-        let text = self.scrub(e);
-        if let lapin::ErrorKind::ProtocolError(amqp) = e.kind() {
-            match amqp.kind() {
-                AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
-                | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
-                    if !text.contains("vhost") =>
-                {
-                    return Error::new(
-                        ErrorKind::Config,
-                        format!(
-                            "authentication failed for user `{user}` at {host} (vhost `{}`): {text}",
-                            uri.vhost
-                        ),
-                    );
-                }
-                AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
-                | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => {
-                    return Error::new(
-                        ErrorKind::Config,
-                        format!(
-                            "user `{user}` may not use vhost `{}` at {host}: {text}",
-                            uri.vhost
-                        ),
-                    );
-                }
-                _ => {}
-            }
-        }
-        Error::unavailable(format!(
-            "cannot connect to RabbitMQ at {}: {text}",
-            self.inner.config.redacted_url()
-        ))
+        connect_error(&self.inner.config, &self.inner.uri, e)
     }
 
     /// Resolves the destination and encodes the properties; `Err` is the
@@ -715,8 +681,48 @@ async fn open_confirm_channel(connection: &Connection) -> lapin::Result<Channel>
     Ok(channel)
 }
 
+/// The error for a failed connection attempt: `Config` for refused
+/// credentials or vhost (naming the user, never the password), otherwise
+/// `Unavailable` with the redacted URL.
+pub(crate) fn connect_error(config: &RabbitConfig, uri: &AMQPUri, e: &lapin::Error) -> Error {
+    let user = &uri.authority.userinfo.username;
+    let host = format!("{}:{}", uri.authority.host, uri.authority.port);
+    let text = config.scrub(&e.to_string());
+    if let lapin::ErrorKind::ProtocolError(amqp) = e.kind() {
+        match amqp.kind() {
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED)
+                if !text.contains("vhost") =>
+            {
+                return Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "authentication failed for user `{user}` at {host} (vhost `{}`): {text}",
+                        uri.vhost
+                    ),
+                );
+            }
+            AMQPErrorKind::Soft(AMQPSoftError::ACCESSREFUSED)
+            | AMQPErrorKind::Hard(AMQPHardError::NOTALLOWED) => {
+                return Error::new(
+                    ErrorKind::Config,
+                    format!(
+                        "user `{user}` may not use vhost `{}` at {host}: {text}",
+                        uri.vhost
+                    ),
+                );
+            }
+            _ => {}
+        }
+    }
+    Error::unavailable(format!(
+        "cannot connect to RabbitMQ at {}: {text}",
+        config.redacted_url()
+    ))
+}
+
 /// `min * 2^(failures-1)`, at most `max`, ±20 % jitter.
-fn backoff(min: Duration, max: Duration, failures: u32) -> Duration {
+pub(crate) fn backoff(min: Duration, max: Duration, failures: u32) -> Duration {
     let exp = failures.saturating_sub(1).min(20);
     let base = min.saturating_mul(1 << exp).min(max);
     base.mul_f64(0.8 + 0.4 * fastrand::f64())

@@ -1,6 +1,5 @@
 //! Tests against a real broker at `OUTBOX_AMQP_URL`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -15,56 +14,26 @@ use outbox_api::testing::TransportUnderTest;
 use outbox_api::{
     ErrorKind, Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport,
 };
+use outbox_rabbitmq::testing::{self, TcpProxy, amqp_url_from_env, percent_encode, unique_name};
 use outbox_rabbitmq::{ExchangeType, RabbitConfig, RabbitTransport, Topology};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::AbortHandle;
 
 // ---------------------------------------------------------------- helpers
 
 fn broker_url() -> String {
-    std::env::var("OUTBOX_AMQP_URL").unwrap_or_else(|_| {
-        panic!(
-            "set OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f or run `rabbitmq-server -detached`"
-        )
-    })
+    amqp_url_from_env()
 }
 
 fn unique(prefix: &str) -> String {
-    format!("outbox-test-{prefix}-{}", uuid::Uuid::now_v7())
-}
-
-fn percent_encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| {
-            if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
-                (b as char).to_string()
-            } else {
-                format!("%{b:02x}")
-            }
-        })
-        .collect()
+    unique_name(prefix)
 }
 
 /// The broker URL with its host and port replaced.
 fn url_via(addr: std::net::SocketAddr) -> String {
-    let uri: lapin::uri::AMQPUri = broker_url().parse().expect("OUTBOX_AMQP_URL parses");
-    format!(
-        "amqp://{}:{}@{}/{}",
-        percent_encode(&uri.authority.userinfo.username),
-        percent_encode(&uri.authority.userinfo.password),
-        addr,
-        percent_encode(&uri.vhost)
-    )
+    testing::url_via(&broker_url(), addr)
 }
 
 async fn broker_addr() -> std::net::SocketAddr {
-    let uri: lapin::uri::AMQPUri = broker_url().parse().expect("OUTBOX_AMQP_URL parses");
-    tokio::net::lookup_host((uri.authority.host.as_str(), uri.authority.port))
-        .await
-        .expect("resolving the broker host")
-        .next()
-        .expect("the broker host has an address")
+    testing::broker_addr(&broker_url()).await
 }
 
 fn message(n: usize) -> NewMessage {
@@ -78,106 +47,6 @@ fn message(n: usize) -> NewMessage {
 fn stored(m: NewMessage) -> Message {
     m.into_message(Timestamp::now())
         .expect("valid test message")
-}
-
-/// A TCP proxy in front of the broker that can cut every live connection
-/// and refuse new ones.
-struct Proxy {
-    addr: std::net::SocketAddr,
-    broken: Arc<AtomicBool>,
-    stalled: Arc<AtomicBool>,
-    live: Arc<Mutex<Vec<AbortHandle>>>,
-    accept: AbortHandle,
-}
-
-impl Proxy {
-    async fn start(target: std::net::SocketAddr) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("proxy bind");
-        let addr = listener.local_addr().expect("proxy addr");
-        let broken = Arc::new(AtomicBool::new(false));
-        let live: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
-        let stalled = Arc::new(AtomicBool::new(false));
-        let (b, l, st) = (Arc::clone(&broken), Arc::clone(&live), Arc::clone(&stalled));
-        let accept = tokio::spawn(async move {
-            loop {
-                let Ok((client, _)) = listener.accept().await else {
-                    continue;
-                };
-                if b.load(Ordering::SeqCst) {
-                    drop(client); // refused: closed at once
-                    continue;
-                }
-                let stalled = Arc::clone(&st);
-                let task = tokio::spawn(async move {
-                    if let Ok(upstream) = TcpStream::connect(target).await {
-                        let (client_read, client_write) = client.into_split();
-                        let (up_read, up_write) = upstream.into_split();
-                        tokio::join!(
-                            pump(client_read, up_write, Arc::clone(&stalled)),
-                            pump(up_read, client_write, stalled),
-                        );
-                    }
-                });
-                l.lock().unwrap().push(task.abort_handle());
-            }
-        })
-        .abort_handle();
-        Proxy {
-            addr,
-            broken,
-            stalled,
-            live,
-            accept,
-        }
-    }
-
-    /// Keeps every connection open but stops forwarding bytes (a broker
-    /// that does not answer).
-    fn stall(&self, on: bool) {
-        self.stalled.store(on, Ordering::SeqCst);
-    }
-
-    fn break_all(&self) {
-        self.broken.store(true, Ordering::SeqCst);
-        for task in self.live.lock().unwrap().drain(..) {
-            task.abort();
-        }
-    }
-
-    fn heal(&self) {
-        self.broken.store(false, Ordering::SeqCst);
-    }
-}
-
-/// Forwards bytes one way, holding them while the proxy is stalled.
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    stalled: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; 16 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        while stalled.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-    }
-    let _ = to.shutdown().await;
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        for task in self.live.lock().unwrap().drain(..) {
-            task.abort();
-        }
-    }
 }
 
 /// The test's own connection (direct to the broker) with a unique
@@ -350,15 +219,15 @@ async fn transport_direct() -> RabbitTransport {
 
 struct UnderTest {
     fixture: Fixture,
-    proxy: Proxy,
+    proxy: TcpProxy,
     transport: Arc<RabbitTransport>,
 }
 
 async fn under_test() -> UnderTest {
     let fixture = Fixture::new().await;
     fixture.consume().await;
-    let proxy = Proxy::start(broker_addr().await).await;
-    let transport = RabbitTransport::builder(url_via(proxy.addr))
+    let proxy = TcpProxy::start(broker_addr().await).await;
+    let transport = RabbitTransport::builder(url_via(proxy.addr()))
         .with_confirm_timeout(Duration::from_secs(3))
         .with_connect_timeout(Duration::from_secs(3))
         .with_reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
@@ -384,7 +253,7 @@ impl TransportUnderTest for UnderTest {
         self.fixture.unroutable()
     }
     async fn break_connection(&self) {
-        self.proxy.break_all();
+        self.proxy.cut();
     }
     async fn heal_connection(&self) {
         self.proxy.heal();
@@ -403,8 +272,8 @@ mod conformance {
 async fn no_confirm_within_the_timeout_is_unavailable_then_recovers() {
     let fx = Fixture::new().await;
     fx.consume().await;
-    let proxy = Proxy::start(broker_addr().await).await;
-    let transport = RabbitTransport::builder(url_via(proxy.addr))
+    let proxy = TcpProxy::start(broker_addr().await).await;
+    let transport = RabbitTransport::builder(url_via(proxy.addr()))
         .with_confirm_timeout(Duration::from_millis(500))
         .with_connect_timeout(Duration::from_millis(500))
         .with_reconnect_backoff(Duration::from_millis(10), Duration::from_millis(100))
@@ -416,7 +285,7 @@ async fn no_confirm_within_the_timeout_is_unavailable_then_recovers() {
         vec![Outcome::Delivered]
     );
 
-    proxy.stall(true);
+    proxy.stall();
     let batch = vec![fx.deliverable(1), fx.deliverable(2)];
     let start = std::time::Instant::now();
     let outcomes = transport.send(&batch).await;
@@ -437,7 +306,7 @@ async fn no_confirm_within_the_timeout_is_unavailable_then_recovers() {
         .expect_err("probe while the broker does not answer");
     assert!(why.contains("timed out"), "{why}");
 
-    proxy.stall(false);
+    proxy.resume();
     let start = std::time::Instant::now();
     while let Err(e) = transport.probe().await {
         assert!(

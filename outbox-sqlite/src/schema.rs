@@ -56,8 +56,12 @@ pub(crate) const COLUMNS: &str = "seq, id, kind, message_type, key, exchange, ro
 /// Migrations of the outbox table, in order; `{t}` is the table name.
 const OUTBOX_MIGRATIONS: &[&str] = &[
     // 1: the table and the indexes that keep claims proportional to the batch.
+    // `seq` is the rowid: SQLite gives each insert max(rowid)+1 under its
+    // single writer, so it is commit order; no AUTOINCREMENT, whose
+    // sqlite_sequence update would cost every enqueue one more page write.
+    // Keyless messages stay out of the key index for the same reason.
     "CREATE TABLE IF NOT EXISTS {t} (
-        seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+        seq           INTEGER PRIMARY KEY,
         id            TEXT    NOT NULL UNIQUE,
         kind          TEXT    NOT NULL,
         message_type  TEXT    NOT NULL,
@@ -79,7 +83,7 @@ const OUTBOX_MIGRATIONS: &[&str] = &[
     );
     CREATE INDEX IF NOT EXISTS {t}_pending_idx ON {t} (seq) WHERE state = 'pending';
     CREATE INDEX IF NOT EXISTS {t}_poisoned_idx ON {t} (seq) WHERE state = 'poisoned';
-    CREATE INDEX IF NOT EXISTS {t}_key_idx ON {t} (key, seq) WHERE state <> 'processed';
+    CREATE INDEX IF NOT EXISTS {t}_key_idx ON {t} (key, seq) WHERE key IS NOT NULL AND state <> 'processed';
     CREATE INDEX IF NOT EXISTS {t}_processed_idx ON {t} (processed_at) WHERE state = 'processed';",
 ];
 

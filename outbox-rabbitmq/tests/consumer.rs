@@ -1,0 +1,224 @@
+//! The inbox-aware `RabbitConsumer` against a real broker at
+//! `OUTBOX_AMQP_URL` (the end-to-end tests with the relay are in the root
+//! crate's `tests/rabbitmq_relay.rs`).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::{FieldTable, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use outbox_api::MessageId;
+use outbox_api::testing::wait_until;
+use outbox_rabbitmq::sqlite::sqlx::{self, SqliteConnection};
+use outbox_rabbitmq::testing::{TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via};
+use outbox_rabbitmq::{HandlerFuture, RabbitConsumer, Received, handler_fn};
+use outbox_sqlite::testing::SqlxUnderTest;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+struct Queue {
+    _connection: Connection,
+    channel: Channel,
+    name: String,
+}
+
+impl Queue {
+    async fn new() -> Queue {
+        let connection = Connection::connect(&amqp_url_from_env(), ConnectionProperties::default())
+            .await
+            .expect("test connection to OUTBOX_AMQP_URL");
+        let channel = connection.create_channel().await.expect("channel");
+        let name = unique_name("consumer");
+        channel
+            .queue_declare(
+                name.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("declare queue");
+        Queue {
+            _connection: connection,
+            channel,
+            name,
+        }
+    }
+
+    async fn publish(&self, id: MessageId) {
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                id.to_string().as_bytes(),
+                BasicProperties::default()
+                    .with_message_id(ShortString::from(id.to_string()))
+                    .with_delivery_mode(2),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+    }
+
+    async fn ready(&self) -> u32 {
+        self.channel
+            .queue_declare(
+                self.name.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .expect("passive declare")
+            .message_count()
+    }
+
+    async fn cleanup(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+}
+
+async fn database() -> SqlxUnderTest {
+    let db = SqlxUnderTest::fresh(None).await;
+    sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
+        .execute(db.pool())
+        .await
+        .unwrap();
+    db
+}
+
+async fn effects(db: &SqlxUnderTest) -> Vec<String> {
+    sqlx::query_scalar("SELECT message_id FROM effects")
+        .fetch_all(db.pool())
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closures_are_handlers_and_the_consumer_reconnects_after_a_cut() {
+    let queue = Queue::new().await;
+    let db = database().await;
+    let url = amqp_url_from_env();
+    let proxy = TcpProxy::start(broker_addr(&url).await).await;
+    let calls = Arc::new(AtomicU64::new(0));
+    let c = Arc::clone(&calls);
+    let handler = handler_fn(
+        move |msg: &Received, tx: &mut SqliteConnection| -> HandlerFuture<'_> {
+            c.fetch_add(1, Ordering::SeqCst);
+            let id = msg.id.to_string();
+            Box::pin(async move {
+                sqlx::query("INSERT INTO effects (message_id) VALUES (?)")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    );
+    let consumer = RabbitConsumer::builder(url_via(&url, proxy.addr()), queue.name.as_str())
+        .prefetch(8)
+        .connect_timeout(Duration::from_secs(2))
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .await
+        .expect("start the consumer");
+    assert!(consumer.is_connected());
+
+    let mut ids = Vec::new();
+    for _ in 0..50 {
+        let id = MessageId::new();
+        queue.publish(id).await;
+        ids.push(id);
+    }
+    wait_until("the first batch is handled", DEADLINE, || {
+        let n = consumer.stats().handled;
+        async move { n >= 50 }
+    })
+    .await;
+
+    proxy.cut();
+    wait_until("the consumer notices the cut", DEADLINE, || {
+        let up = consumer.is_connected();
+        async move { !up }
+    })
+    .await;
+    for _ in 0..50 {
+        let id = MessageId::new();
+        queue.publish(id).await;
+        ids.push(id);
+    }
+    proxy.heal();
+    wait_until("everything is handled after the heal", DEADLINE, || {
+        let n = consumer.stats().handled;
+        async move { n >= 100 }
+    })
+    .await;
+    let stats = consumer.stats();
+    assert!(stats.reconnects >= 1, "{stats:?}");
+    let mut got = effects(&db).await;
+    got.sort();
+    let mut want: Vec<String> = ids.iter().map(ToString::to_string).collect();
+    want.sort();
+    assert_eq!(got, want, "each message's effect exactly once");
+    consumer.shutdown().await;
+    assert_eq!(queue.ready().await, 0);
+    queue.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_the_delivery_in_flight_and_returns_the_rest() {
+    let queue = Queue::new().await;
+    let db = database().await;
+    let started = Arc::new(tokio::sync::Notify::new());
+    let s = Arc::clone(&started);
+    let handler = handler_fn(
+        move |msg: &Received, tx: &mut SqliteConnection| -> HandlerFuture<'_> {
+            let id = msg.id.to_string();
+            let s = Arc::clone(&s);
+            Box::pin(async move {
+                s.notify_one();
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                sqlx::query("INSERT INTO effects (message_id) VALUES (?)")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    );
+    for _ in 0..5 {
+        queue.publish(MessageId::new()).await;
+    }
+    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .await
+        .unwrap();
+    tokio::time::timeout(DEADLINE, started.notified())
+        .await
+        .expect("a handler started");
+    consumer.shutdown().await;
+    assert!(!consumer.is_running());
+    let handled = consumer.stats().handled;
+    assert_eq!(
+        handled, 1,
+        "the in-flight delivery finished, no new one started"
+    );
+    assert_eq!(effects(&db).await.len(), 1);
+    // The rest (prefetched but not started) went back to the queue.
+    wait_until("the rest is back in the queue", DEADLINE, || async {
+        queue.ready().await == 4
+    })
+    .await;
+    queue.cleanup().await;
+}
