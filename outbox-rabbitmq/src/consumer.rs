@@ -423,6 +423,8 @@ impl RabbitConsumerBuilder {
             delayed: JoinSet::new(),
         };
         let session = worker.open_session().await?;
+        // Connected from here on: callers may check right after `spawn`.
+        shared.connected.store(true, Ordering::SeqCst);
         tracing::info!(
             queue = %shared.queue,
             consumer = %shared.consumer_name,
