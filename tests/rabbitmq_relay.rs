@@ -841,3 +841,84 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
     assert!(err.to_string().contains(&missing), "{err}");
     broker.cleanup().await;
 }
+
+// ---------------------------------------------------------------- tracing
+
+/// Records the trace context the consumer's handler runs in.
+#[derive(Clone, Default)]
+struct TraceRecorder(Arc<Mutex<Vec<Option<String>>>>);
+
+#[async_trait]
+impl InboxHandler for TraceRecorder {
+    async fn handle(
+        &self,
+        _msg: &Received,
+        _tx: &mut SqliteConnection,
+    ) -> Result<(), HandlerError> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(outbox::trace::current_traceparent());
+        Ok(())
+    }
+}
+
+/// Feature `opentelemetry` (on in the tests): the trace id of the span that
+/// enqueued equals the trace id in the consumer's handler span, across the
+/// relay, RabbitMQ and the consumer; the spans are exported by an in-memory
+/// exporter.
+#[tokio::test(flavor = "current_thread")]
+async fn trace_id_continues_across_rabbitmq() {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt;
+    let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    let subscriber = tracing_subscriber::registry()
+        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let broker = Broker::new().await;
+    let producer = producer().await;
+    let receiver = Receiver::new().await;
+    let recorder = TraceRecorder::default();
+    let consumer = receiver.consume(&broker, recorder.clone()).await;
+    let relay = relay(&producer, transport(amqp_url_from_env()).await);
+    let trace_id = {
+        let span = tracing::info_span!("checkout");
+        let _entered = span.enter();
+        let id = outbox::trace::current_traceparent().expect("the checkout span is traced");
+        // No explicit trace_parent: enqueue captures the current span's.
+        enqueue(&producer, vec![broker.message(1)]).await;
+        id.split('-').nth(1).unwrap().to_owned()
+    };
+    wait_until("the consumer handled the message", DEADLINE, || async {
+        !recorder.0.lock().unwrap().is_empty()
+    })
+    .await;
+    let seen = recorder.0.lock().unwrap()[0]
+        .clone()
+        .expect("the handler runs in a traced span");
+    assert_eq!(
+        seen.split('-').nth(1),
+        Some(trace_id.as_str()),
+        "same trace id at the consumer"
+    );
+    relay.shutdown().await;
+    consumer.shutdown().await;
+    provider.force_flush().unwrap();
+    let spans = exporter.get_finished_spans().unwrap();
+    for name in ["outbox.deliver", "outbox.receive"] {
+        let span = spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("{name} exported"));
+        assert_eq!(
+            span.span_context.trace_id().to_string(),
+            trace_id,
+            "{name} continues the trace"
+        );
+    }
+    broker.cleanup().await;
+}

@@ -805,6 +805,7 @@ impl Worker {
             attempt = received.attempt,
             outcome = tracing::field::Empty,
         );
+        outbox_api::trace::continue_trace(&span, received.trace_parent.as_deref());
         let outcome = self.handle(&received).instrument(span.clone()).await;
         self.settle_outcome(delivery, &received, outcome, &span)
             .instrument(span.clone())
