@@ -1,2 +1,276 @@
-//! MiniShop (work in progress).
-fn main() {}
+//! # MiniShop — the outbox-rs demo
+//!
+//! Two modules, each with its own SQLite database and outbox, and one saga
+//! between them:
+//!
+//! 1. **Ordering** (`ordering.db`) places an order: the `orders` row and an
+//!    `OrderPlaced` integration message commit in one transaction.
+//! 2. **Warehouse** (`warehouse.db`) receives `OrderPlaced` through its
+//!    inbox and, in one transaction, records the inbox entry, reserves the
+//!    stock if there is enough, and enqueues `StockReserved` or
+//!    `StockRejected`.
+//! 3. **Ordering** receives the answer through its inbox and, in one
+//!    transaction, confirms or cancels the order; a confirmation also
+//!    enqueues the domain message `OrderConfirmed`.
+//! 4. Ordering's relay hands `OrderConfirmed` to an in-process handler,
+//!    which records when the saga ended.
+//!
+//! Each module runs its own relay. Integration messages travel through an
+//! in-process bus by default, or through RabbitMQ with `--amqp URL`.
+//!
+//! ```text
+//! cargo run --release -p minishop -- --orders 200         # load run + summary
+//! cargo run --release -p minishop                         # HTTP API on 127.0.0.1:8080
+//! cargo run --release -p minishop -- --amqp amqp://guest:guest@127.0.0.1:5672/%2f --orders 200
+//! ```
+
+mod amqp;
+mod db;
+mod fail;
+mod health;
+mod http;
+mod inbox;
+mod load;
+mod messages;
+mod ordering;
+mod shop;
+mod warehouse;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::fail::{Context, Fail};
+use crate::load::LoadOptions;
+use crate::shop::{Bus, Shop};
+
+/// MiniShop: the outbox-rs demo — two modules, two databases, one saga.
+///
+/// Without --orders it serves an HTTP API; with --orders N it places N
+/// orders, waits for every saga to end and prints a summary.
+#[derive(Debug, Parser)]
+#[command(name = "minishop", version)]
+struct Args {
+    /// Where the two databases live (ordering.db, warehouse.db).
+    #[arg(long, value_name = "DIR", default_value = "./minishop-data")]
+    data_dir: PathBuf,
+
+    /// Delete the shop's databases in the data dir first.
+    #[arg(long)]
+    fresh: bool,
+
+    /// Carry integration messages through RabbitMQ at URL instead of the
+    /// in-process bus, e.g. amqp://guest:guest@127.0.0.1:5672/%2f.
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "OUTBOX_AMQP_URL",
+        hide_env_values = true
+    )]
+    amqp: Option<String>,
+
+    /// With --amqp: use queue and exchange names unique to this run (deleted
+    /// at exit), so that parallel runs do not share them.
+    #[arg(long)]
+    isolated: bool,
+
+    /// Place N orders, wait until every saga ended, print a summary, exit.
+    #[arg(long, value_name = "N")]
+    orders: Option<u64>,
+
+    /// With --orders: place at most this many orders per second (default:
+    /// as fast as they commit).
+    #[arg(long, value_name = "PER_SECOND", value_parser = parse_rate)]
+    rate: Option<f64>,
+
+    /// With --orders: give up after this long (e.g. 120s, 2m, 500ms),
+    /// exiting non-zero and saying what is stuck.
+    #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
+    timeout: Duration,
+
+    /// Without --orders: the HTTP address (port 0 picks a free one).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    listen: String,
+}
+
+fn parse_duration(text: &str) -> Result<Duration, String> {
+    let t = text.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = t.split_at(split);
+    let n: f64 = number
+        .parse()
+        .map_err(|_| format!("`{text}` is not a duration (e.g. 120s, 2m, 500ms)"))?;
+    let secs = match unit.trim() {
+        "" | "s" => n,
+        "ms" => n / 1000.0,
+        "m" | "min" => n * 60.0,
+        "h" => n * 3600.0,
+        other => return Err(format!("unknown unit `{other}` (use ms, s, m or h)")),
+    };
+    if !(secs > 0.0 && secs < 1e9) {
+        return Err("must be greater than zero".into());
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+fn parse_rate(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(r) if r > 0.0 && r.is_finite() => Ok(r),
+        _ => Err(format!(
+            "`{text}` is not a positive number of orders per second"
+        )),
+    }
+}
+
+/// Removes the shop's own files only (never the whole directory: it may be
+/// anything the user pointed at).
+fn remove_databases(dir: &Path) -> Result<(), Fail> {
+    for name in ["ordering", "warehouse"] {
+        for ext in ["db", "db-wal", "db-shm", "db-journal"] {
+            let path = dir.join(format!("{name}.{ext}"));
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    return Err(Fail(format!(
+                        "--fresh: cannot remove `{}`: {e}",
+                        path.display()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn run(args: Args) -> Result<(), Fail> {
+    if args.isolated && args.amqp.is_none() {
+        return Err(Fail("--isolated needs --amqp (or OUTBOX_AMQP_URL)".into()));
+    }
+    if args.rate.is_some() && args.orders.is_none() {
+        return Err(Fail("--rate needs --orders".into()));
+    }
+    // A malformed URL fails before anything is touched.
+    let bus = match &args.amqp {
+        None => Bus::Embedded,
+        Some(url) => Bus::Amqp {
+            redacted: amqp::check_url(url)?,
+            url: url.clone(),
+            isolated: args.isolated,
+        },
+    };
+    let dir = &args.data_dir;
+    if args.fresh {
+        remove_databases(dir)?;
+    }
+    std::fs::create_dir_all(dir).context(format!(
+        "cannot create the data directory `{}`",
+        dir.display()
+    ))?;
+
+    let shop = Shop::start(dir, bus).await?;
+    eprintln!(
+        "MiniShop: data in `{}`, messages through {}",
+        dir.display(),
+        shop.bus_description
+    );
+    match args.orders {
+        Some(orders) => {
+            let opts = LoadOptions {
+                orders,
+                rate: args.rate,
+                timeout: args.timeout,
+            };
+            let result = load::run(&shop, opts).await;
+            shop.shutdown().await;
+            println!("{}", result?);
+            Ok(())
+        }
+        None => {
+            let shop = Arc::new(shop);
+            let served = http::serve(Arc::clone(&shop), &args.listen).await;
+            match Arc::try_unwrap(shop) {
+                Ok(shop) => shop.shutdown().await,
+                Err(shop) => {
+                    // A request still holds the shop: stop the relays anyway.
+                    shop.ordering_relay.shutdown().await;
+                    shop.warehouse_relay.shutdown().await;
+                }
+            }
+            served?;
+            eprintln!("MiniShop stopped.");
+            Ok(())
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(
+                |_| // The relays report an unavailable transport themselves;
+                    // the RabbitMQ transport's own retry chatter stays quiet.
+                    tracing_subscriber::EnvFilter::new("warn,outbox_rabbitmq::transport=error"),
+            ),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    std::panic::set_hook(Box::new(|info| {
+        let location = info
+            .location()
+            .map(|l| format!(" at {}:{}", l.file(), l.line()))
+            .unwrap_or_default();
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| info.payload().downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "panic".into());
+        tracing::error!("panic{location}: {message}");
+    }));
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("120s"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+        assert!(parse_duration("soon").is_err());
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("3 fortnights").is_err());
+    }
+
+    #[test]
+    fn cli_is_well_formed() {
+        use clap::CommandFactory;
+        Args::command().debug_assert();
+    }
+}

@@ -1,0 +1,154 @@
+//! RabbitMQ wiring (`--amqp URL`): topology, the relays' transports and the
+//! modules' inbox consumers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::rabbitmq::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
+use outbox::rabbitmq::lapin::types::ShortString;
+use outbox::rabbitmq::lapin::{Connection, ConnectionProperties};
+use outbox::rabbitmq::{
+    ConsumerHandle, ExchangeType, RabbitConfig, RabbitConsumer, RabbitTransport, Topology,
+};
+
+use crate::fail::{Context, Fail};
+use crate::inbox::{AmqpInbox, InboxModule};
+use crate::messages::{OrderPlaced, StockRejected, StockReserved};
+use outbox::OutboxMessage;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The names of everything MiniShop declares on the broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AmqpNames {
+    /// Where both modules publish (direct; routing key = message type).
+    pub exchange: String,
+    /// Where rejected deliveries go (fanout).
+    pub dead_letter_exchange: String,
+    /// The dead letters, for a human.
+    pub dead_letter_queue: String,
+    /// Warehouse's inbox queue (`OrderPlaced`).
+    pub warehouse_queue: String,
+    /// Ordering's inbox queue (`StockReserved`, `StockRejected`).
+    pub ordering_queue: String,
+    /// Whether the names are unique to this run (deleted at exit).
+    pub isolated: bool,
+}
+
+impl AmqpNames {
+    /// `minishop`, `minishop.warehouse`, …; with `isolated`, each name gets
+    /// a suffix unique to this run, so parallel runs do not share queues.
+    pub fn new(isolated: bool) -> Self {
+        let suffix = if isolated {
+            let id = uuid::Uuid::now_v7().simple().to_string();
+            // The tail of a v7 id is random; the head is the time.
+            format!(".run-{}", &id[id.len() - 12..])
+        } else {
+            String::new()
+        };
+        AmqpNames {
+            exchange: format!("minishop{suffix}"),
+            dead_letter_exchange: format!("minishop.dlx{suffix}"),
+            dead_letter_queue: format!("minishop.dead{suffix}"),
+            warehouse_queue: format!("minishop.warehouse{suffix}"),
+            ordering_queue: format!("minishop.ordering{suffix}"),
+            isolated,
+        }
+    }
+
+    /// Exchanges, queues bound by message type, and dead-lettering.
+    pub fn topology(&self) -> Topology {
+        Topology::new()
+            .exchange(&self.exchange, ExchangeType::Direct)
+            .exchange(&self.dead_letter_exchange, ExchangeType::Fanout)
+            .queue(&self.dead_letter_queue)
+            .bind(&self.dead_letter_queue, &self.dead_letter_exchange, "")
+            .dead_letter(&self.warehouse_queue, &self.dead_letter_exchange)
+            .dead_letter(&self.ordering_queue, &self.dead_letter_exchange)
+            .bind(
+                &self.warehouse_queue,
+                &self.exchange,
+                OrderPlaced::MESSAGE_TYPE,
+            )
+            .bind(
+                &self.ordering_queue,
+                &self.exchange,
+                StockReserved::MESSAGE_TYPE,
+            )
+            .bind(
+                &self.ordering_queue,
+                &self.exchange,
+                StockRejected::MESSAGE_TYPE,
+            )
+    }
+}
+
+/// Checks the URL without connecting (a malformed one fails here, redacted).
+pub fn check_url(url: &str) -> Result<String, Fail> {
+    let config = RabbitConfig::new(url);
+    config.validate().context("--amqp")?;
+    Ok(config.redacted_url())
+}
+
+/// A relay's transport: publishes to the shop's exchange, with confirms.
+pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<RabbitTransport, Fail> {
+    RabbitTransport::builder(url)
+        .with_default_exchange(&names.exchange)
+        .with_connect_timeout(CONNECT_TIMEOUT)
+        .with_connection_name(format!("minishop {who} relay"))
+        .build()
+        .await
+        .context("connecting to RabbitMQ")
+}
+
+/// Consumes `queue` into `module`'s inbox (ack after the inbox commit).
+pub async fn consumer(
+    url: &str,
+    queue: &str,
+    module: Arc<dyn InboxModule>,
+) -> Result<ConsumerHandle, Fail> {
+    let db = module.db().clone();
+    let config = RabbitConfig::new(url)
+        .with_connect_timeout(CONNECT_TIMEOUT)
+        .with_connection_name(format!("minishop {} consumer", db.name));
+    RabbitConsumer::with_config(config, queue)
+        .consumer_name(db.name)
+        .prefetch(200)
+        .spawn(db.outbox.clone(), db.pool.clone(), AmqpInbox(module))
+        .await
+        .context(format!("consuming RabbitMQ queue `{queue}`"))
+}
+
+/// Deletes the queues and exchanges of an isolated run (best effort).
+pub async fn delete_isolated(url: &str, names: &AmqpNames) {
+    let work = async {
+        let conn = Connection::connect(url, ConnectionProperties::default()).await?;
+        let ch = conn.create_channel().await?;
+        for q in [
+            &names.warehouse_queue,
+            &names.ordering_queue,
+            &names.dead_letter_queue,
+        ] {
+            ch.queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default())
+                .await?;
+        }
+        for x in [&names.exchange, &names.dead_letter_exchange] {
+            ch.exchange_delete(
+                ShortString::from(x.as_str()),
+                ExchangeDeleteOptions::default(),
+            )
+            .await?;
+        }
+        let _ = conn.close(200, "minishop done".into()).await;
+        Ok::<_, outbox::rabbitmq::lapin::Error>(())
+    };
+    match tokio::time::timeout(CONNECT_TIMEOUT, work).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::warn!(
+            "could not delete this run's queues and exchanges ({}): {}",
+            names.exchange,
+            e.to_string().replace(url, &outbox::redact_url(url))
+        ),
+        Err(_) => tracing::warn!("timed out deleting this run's queues and exchanges"),
+    }
+}

@@ -1,0 +1,264 @@
+//! `--orders N`: places N orders, waits until every saga ended, and
+//! summarises what happened and how fast.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
+use std::time::{Duration, Instant};
+
+use outbox::Store;
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use crate::fail::Fail;
+use crate::ordering::{PlaceError, SagaCounts};
+use crate::shop::Shop;
+
+/// What `--orders` was asked to do.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Orders to place.
+    pub orders: u64,
+    /// Orders per second (`None`: as fast as they commit).
+    pub rate: Option<f64>,
+    /// Give up (exit non-zero) after this long.
+    pub timeout: Duration,
+}
+
+/// The outcome of a load run.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    /// Orders placed.
+    pub orders: u64,
+    /// Final saga states.
+    pub counts: SagaCounts,
+    /// commit → OrderConfirmed handled: (samples, p50, p99, max).
+    pub latency: (u64, Duration, Duration, Duration),
+    /// Messages the relays delivered during the run.
+    pub messages: u64,
+    /// From the first order's placement to the last saga's end.
+    pub elapsed: Duration,
+    /// Which bus.
+    pub bus: String,
+    /// The pace orders were offered at (`None`: all at once).
+    pub rate: Option<f64>,
+}
+
+fn ms(d: Duration) -> String {
+    let ms = d.as_secs_f64() * 1000.0;
+    if ms < 10.0 {
+        format!("{ms:.2} ms")
+    } else {
+        format!("{ms:.1} ms")
+    }
+}
+
+impl fmt::Display for Summary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let secs = self.elapsed.as_secs_f64().max(1e-9);
+        let (n, p50, p99, max) = self.latency;
+        writeln!(f, "MiniShop: {} orders through {}", self.orders, self.bus)?;
+        match self.rate {
+            Some(r) => writeln!(f, "  offered        {r} orders/s")?,
+            None => writeln!(
+                f,
+                "  offered        all at once (a burst; --rate N paces them)"
+            )?,
+        }
+        writeln!(f, "  confirmed      {}", self.counts.confirmed)?;
+        writeln!(f, "  cancelled      {}", self.counts.cancelled)?;
+        writeln!(
+            f,
+            "  latency p50    {}   (order commit -> OrderConfirmed handled, {n} orders)",
+            ms(p50)
+        )?;
+        writeln!(f, "  latency p99    {}   (max {})", ms(p99), ms(max))?;
+        writeln!(
+            f,
+            "  messages       {}   ({:.0} msg/s: OrderPlaced, StockReserved/StockRejected, OrderConfirmed)",
+            self.messages,
+            self.messages as f64 / secs
+        )?;
+        write!(
+            f,
+            "  elapsed        {:.3} s   ({:.0} orders/s)",
+            secs,
+            self.orders as f64 / secs
+        )
+    }
+}
+
+/// The demo's order mix: mostly fruit (plenty in stock), some teapots and
+/// golden tickets (few in stock) — so some orders are confirmed and some
+/// cancelled.
+pub fn order_for(i: u64) -> (String, &'static str, u32) {
+    let sku = match i % 10 {
+        0..=5 => {
+            if i % 2 == 0 {
+                "apple"
+            } else {
+                "pear"
+            }
+        }
+        6..=8 => "teapot",
+        _ => "golden-ticket",
+    };
+    let qty = 1 + (i % 3) as u32;
+    (format!("customer-{}", i % 17), sku, qty)
+}
+
+/// Stops the order placer when the run ends early (error, timeout).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+#[derive(Debug, Default)]
+struct Placed {
+    count: AtomicU64,
+    first: Mutex<Option<Uuid>>,
+    last: Mutex<Option<Uuid>>,
+}
+
+/// Runs the load: places the orders, prints a progress line every second
+/// on stderr, and returns the summary once every saga ended — or, at the
+/// timeout, an error saying what is stuck.
+pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
+    let ordering = Arc::clone(&shop.ordering);
+    ordering.latency.enable();
+    let relayed_before = shop.relayed();
+    let start = Instant::now();
+    let deadline = start + opts.timeout;
+    let placed = Arc::new(Placed::default());
+
+    let placer = {
+        let placed = Arc::clone(&placed);
+        let ordering = Arc::clone(&ordering);
+        tokio::spawn(async move {
+            for i in 0..opts.orders {
+                if let Some(rate) = opts.rate {
+                    let due = start + Duration::from_secs_f64(i as f64 / rate);
+                    tokio::time::sleep_until(due.into()).await;
+                }
+                let (customer, sku, qty) = order_for(i);
+                let id = match ordering.place_order(&customer, sku, qty, true).await {
+                    Ok((id, _)) => id,
+                    Err(PlaceError::Invalid(e)) => return Err(Fail(e.0)),
+                    Err(PlaceError::Store(e)) => {
+                        return Err(Fail(format!("placing an order: {e}")));
+                    }
+                };
+                placed.first.lock().await.get_or_insert(id);
+                *placed.last.lock().await = Some(id);
+                placed.count.fetch_add(1, AtomicOrdering::SeqCst);
+            }
+            Ok(())
+        })
+    };
+    let mut placer = Some(AbortOnDrop(placer));
+
+    let mut next_progress = start + Duration::from_secs(1);
+    let check_every = if opts.orders > 20_000 {
+        Duration::from_millis(100)
+    } else {
+        Duration::from_millis(5)
+    };
+    let mut counts = SagaCounts::default();
+    loop {
+        // Placement finished (or failed)?
+        if let Some(p) = placer.as_ref() {
+            if p.0.is_finished() {
+                let mut p = placer.take().expect("checked above");
+                match (&mut p.0).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(e) => return Err(Fail(format!("the order placer failed: {e}"))),
+                }
+            }
+        }
+        let n = placed.count.load(AtomicOrdering::SeqCst);
+        let range = (*placed.first.lock().await, *placed.last.lock().await);
+        if let (Some(first), Some(last)) = range {
+            counts = ordering.saga_counts(first, last).await.map_err(Fail)?;
+        }
+        if placer.is_none() && counts.ended() >= opts.orders {
+            break;
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(stuck(shop, opts, n, counts).await);
+        }
+        if now >= next_progress {
+            let o = shop.ordering.database().store.stats().await;
+            let w = shop.warehouse.database().store.stats().await;
+            let pending = |s: outbox::Result<outbox::Stats>| {
+                s.map(|s| s.pending.to_string())
+                    .unwrap_or_else(|_| "?".into())
+            };
+            eprintln!(
+                "[{:>5.1}s] placed {n}/{}, ended {} (confirmed {}, cancelled {}); outbox pending: ordering {}, warehouse {}",
+                now.duration_since(start).as_secs_f64(),
+                opts.orders,
+                counts.ended(),
+                counts.confirmed_handled,
+                counts.cancelled,
+                pending(o),
+                pending(w),
+            );
+            next_progress += Duration::from_secs(1);
+        }
+        let wait = check_every.min(deadline.saturating_duration_since(now));
+        let _ = tokio::time::timeout(wait, ordering.progress.notified()).await;
+    }
+    let elapsed = start.elapsed();
+    // The last completions may still be in flight: let both relays finish
+    // their current drain so that every message of the run is counted.
+    let settle = async {
+        let _ = shop.ordering_relay.until_idle().await;
+        let _ = shop.warehouse_relay.until_idle().await;
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(5), settle).await;
+    Ok(Summary {
+        orders: opts.orders,
+        counts,
+        latency: ordering.latency.summary(),
+        messages: shop.relayed() - relayed_before,
+        elapsed,
+        bus: shop.bus_description.clone(),
+        rate: opts.rate,
+    })
+}
+
+async fn stuck(shop: &Shop, opts: LoadOptions, placed: u64, c: SagaCounts) -> Fail {
+    let mut text = format!(
+        "timed out after {:?}: {} of {} sagas ended ({placed} orders placed; {} waiting for the warehouse, {} confirmed but OrderConfirmed not handled yet; {} confirmed, {} cancelled)",
+        opts.timeout,
+        c.ended(),
+        opts.orders,
+        c.pending,
+        c.confirmed - c.confirmed_handled,
+        c.confirmed_handled,
+        c.cancelled,
+    );
+    for line in shop.describe().await {
+        text.push_str("\n  ");
+        text.push_str(&line);
+    }
+    Fail(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mix_has_scarce_and_plentiful_skus() {
+        let skus: Vec<&str> = (0..10).map(|i| order_for(i).1).collect();
+        assert!(skus.contains(&"apple") && skus.contains(&"pear"));
+        assert!(skus.contains(&"teapot") && skus.contains(&"golden-ticket"));
+        assert!((0..100).all(|i| (1..=3).contains(&order_for(i).2)));
+    }
+}

@@ -1,0 +1,145 @@
+//! The Warehouse module (`warehouse.db`): reserves stock for placed orders
+//! and answers `StockReserved` or `StockRejected`.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox::sqlite::sqlx::{self, SqliteConnection};
+use outbox::{HandlerError, NewMessage, OutboxMessage};
+
+use crate::db::{ModuleDb, now_ms};
+use crate::fail::Fail;
+use crate::inbox::InboxModule;
+use crate::messages::{OrderPlaced, StockRejected, StockReserved, order_key};
+
+/// Stock a new warehouse starts with: plenty of fruit, few teapots and
+/// golden tickets — so a run both confirms and cancels orders.
+pub const INITIAL_STOCK: &[(&str, i64)] = &[
+    ("apple", 1_000_000),
+    ("pear", 1_000_000),
+    ("teapot", 40),
+    ("golden-ticket", 10),
+];
+
+const SCHEMA: &[&str] = &[
+    "CREATE TABLE IF NOT EXISTS stock (
+        sku       TEXT PRIMARY KEY,
+        available INTEGER NOT NULL CHECK (available >= 0)
+    )",
+    "CREATE TABLE IF NOT EXISTS reservations (
+        order_id    TEXT    PRIMARY KEY,
+        sku         TEXT    NOT NULL,
+        qty         INTEGER NOT NULL,
+        reserved_at INTEGER NOT NULL
+    )",
+];
+
+/// The Warehouse module.
+#[derive(Debug)]
+pub struct Warehouse {
+    db: ModuleDb,
+}
+
+impl Warehouse {
+    /// Opens `warehouse.db` in `dir`; a new database gets [`INITIAL_STOCK`].
+    pub async fn open(dir: &Path) -> Result<Arc<Self>, Fail> {
+        let db = ModuleDb::open(dir, "warehouse", SCHEMA).await?;
+        for (sku, qty) in INITIAL_STOCK {
+            sqlx::query("INSERT OR IGNORE INTO stock (sku, available) VALUES (?, ?)")
+                .bind(*sku)
+                .bind(*qty)
+                .execute(&db.pool)
+                .await
+                .map_err(|e| Fail(format!("stocking the warehouse: {e}")))?;
+        }
+        Ok(Arc::new(Warehouse { db }))
+    }
+
+    /// The module's database.
+    pub fn database(&self) -> &ModuleDb {
+        &self.db
+    }
+
+    /// Reserves the order's stock if there is enough, and answers — the
+    /// stock change, the reservation and the answer commit together with
+    /// the inbox row.
+    async fn on_order_placed(
+        &self,
+        e: OrderPlaced,
+        tx: &mut SqliteConnection,
+    ) -> Result<(), HandlerError> {
+        let reserved = sqlx::query(
+            "UPDATE stock SET available = available - ?1 WHERE sku = ?2 AND available >= ?1",
+        )
+        .bind(e.qty)
+        .bind(&e.sku)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected()
+            == 1;
+        let answer = if reserved {
+            sqlx::query(
+                "INSERT INTO reservations (order_id, sku, qty, reserved_at) VALUES (?, ?, ?, ?)",
+            )
+            .bind(e.order_id.to_string())
+            .bind(&e.sku)
+            .bind(e.qty)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+            NewMessage::integration(&StockReserved {
+                order_id: e.order_id,
+                sku: e.sku,
+                qty: e.qty,
+            })?
+        } else {
+            let available: Option<i64> =
+                sqlx::query_scalar("SELECT available FROM stock WHERE sku = ?")
+                    .bind(&e.sku)
+                    .fetch_optional(&mut *tx)
+                    .await?;
+            let reason = match available {
+                None => format!("unknown sku `{}`", e.sku),
+                Some(n) => format!("only {n} {} left, {} asked", e.sku, e.qty),
+            };
+            NewMessage::integration(&StockRejected {
+                order_id: e.order_id,
+                sku: e.sku,
+                qty: e.qty,
+                reason,
+            })?
+        };
+        self.db
+            .outbox
+            .enqueue(&mut *tx, answer.key(order_key(e.order_id)))
+            .await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl InboxModule for Warehouse {
+    fn db(&self) -> &ModuleDb {
+        &self.db
+    }
+
+    fn subscribes(&self) -> &'static [&'static str] {
+        &[OrderPlaced::MESSAGE_TYPE]
+    }
+
+    async fn handle(
+        &self,
+        message_type: &str,
+        payload: &[u8],
+        tx: &mut SqliteConnection,
+    ) -> Result<(), HandlerError> {
+        match message_type {
+            OrderPlaced::MESSAGE_TYPE => {
+                self.on_order_placed(serde_json::from_slice(payload)?, tx)
+                    .await
+            }
+            other => Err(format!("warehouse does not handle message type `{other}`").into()),
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! End-to-end tests of the `minishop` binary: load runs on the embedded bus
+//! and on RabbitMQ, the HTTP API, and bad input.
+//!
+//! The RabbitMQ test needs a broker: set `OUTBOX_AMQP_URL`, e.g.
+//! `OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo test -p minishop`.
+//! Without it that test fails (it is never skipped).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_minishop");
+
+struct Finished {
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+fn minishop() -> Command {
+    let mut cmd = Command::new(BIN);
+    cmd.env_remove("OUTBOX_AMQP_URL")
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
+fn drain(r: impl Read + Send + 'static) -> thread::JoinHandle<String> {
+    thread::spawn(move || {
+        let mut s = String::new();
+        let _ = BufReader::new(r).read_to_string(&mut s);
+        s
+    })
+}
+
+/// Waits for the child to exit, killing it (and failing) at the deadline.
+fn wait(mut child: Child, limit: Duration) -> Finished {
+    let out = child.stdout.take().map(drain);
+    let err = drain(child.stderr.take().expect("piped stderr"));
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "minishop did not exit within {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                out.map(|o| o.join().unwrap_or_default())
+                    .unwrap_or_default(),
+                err.join().unwrap_or_default()
+            );
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    Finished {
+        status,
+        stdout: out
+            .map(|o| o.join().unwrap_or_default())
+            .unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
+    }
+}
+
+fn run(cmd: &mut Command, limit: Duration) -> Finished {
+    wait(cmd.spawn().expect("start minishop"), limit)
+}
+
+/// The number after `label` at the start of a summary line.
+fn figure(stdout: &str, label: &str) -> u64 {
+    stdout
+        .lines()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix(label))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no `{label}` figure in the summary:\n{stdout}"))
+}
+
+fn check_load_run(f: &Finished, orders: u64) {
+    assert!(
+        f.status.success(),
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        f.status,
+        f.stdout,
+        f.stderr
+    );
+    let confirmed = figure(&f.stdout, "confirmed");
+    let cancelled = figure(&f.stdout, "cancelled");
+    assert_eq!(confirmed + cancelled, orders, "{}", f.stdout);
+    assert!(confirmed > 0 && cancelled > 0, "{}", f.stdout);
+    for label in ["latency p50", "latency p99", "messages", "elapsed"] {
+        assert!(f.stdout.contains(label), "`{label}` missing:\n{}", f.stdout);
+    }
+    // Every order sent OrderPlaced and got an answer; every confirmed one
+    // also went through OrderConfirmed.
+    assert!(
+        figure(&f.stdout, "messages") >= 2 * orders + confirmed,
+        "{}",
+        f.stdout
+    );
+    assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+}
+
+#[test]
+fn two_hundred_orders_on_the_embedded_bus() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = run(
+        minishop()
+            .args(["--orders", "200", "--timeout", "60s", "--data-dir"])
+            .arg(dir.path()),
+        Duration::from_secs(90),
+    );
+    check_load_run(&f, 200);
+    assert!(f.stdout.contains("embedded bus"), "{}", f.stdout);
+}
+
+#[test]
+fn two_hundred_orders_through_rabbitmq() {
+    let url = std::env::var("OUTBOX_AMQP_URL").unwrap_or_else(|_| {
+        panic!(
+            "OUTBOX_AMQP_URL is not set: this test needs RabbitMQ. Set it, e.g. \
+             OUTBOX_AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f cargo test -p minishop"
+        )
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let f = run(
+        minishop()
+            .args([
+                "--orders",
+                "200",
+                "--isolated",
+                "--timeout",
+                "60s",
+                "--amqp",
+                &url,
+            ])
+            .arg("--data-dir")
+            .arg(dir.path()),
+        Duration::from_secs(90),
+    );
+    check_load_run(&f, 200);
+    assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
+    if let Some(pw) = password(&url) {
+        assert!(!f.stdout.contains(&format!(":{pw}@")), "password printed");
+        assert!(!f.stderr.contains(&format!(":{pw}@")), "password printed");
+    }
+}
+
+fn password(url: &str) -> Option<String> {
+    let rest = url.split_once("://")?.1;
+    let userinfo = rest.split_once('@')?.0;
+    Some(userinfo.split_once(':')?.1.to_owned())
+}
+
+/// A tiny HTTP/1.1 client: (status, body).
+fn http(addr: &str, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).expect("connect to minishop");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {response}"));
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn json(body: &str) -> serde_json::Value {
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
+}
+
+#[test]
+fn http_api_places_and_follows_an_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = minishop()
+        .args(["--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir.path())
+        .spawn()
+        .expect("start minishop");
+    // The first stdout line says where it listens.
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = match rx.recv_timeout(Duration::from_secs(30)) {
+        Ok(line) => line,
+        Err(_) => {
+            let _ = child.kill();
+            panic!("minishop did not say where it listens within 30 s");
+        }
+    };
+    let addr = line
+        .strip_prefix("listening on http://")
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .trim()
+        .to_owned();
+
+    let (status, body) = http(
+        &addr,
+        "POST",
+        "/orders",
+        Some(r#"{"customer":"ann","sku":"apple","qty":2}"#),
+    );
+    assert_eq!(status, 201, "{body}");
+    let id = json(&body)["id"].as_str().expect("id").to_owned();
+
+    // Poll until the saga has ended.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let order = loop {
+        let (status, body) = http(&addr, "GET", &format!("/orders/{id}"), None);
+        assert_eq!(status, 200, "{body}");
+        let order = json(&body);
+        let ended = match order["status"].as_str() {
+            Some("cancelled") => true,
+            Some("confirmed") => order.get("confirmed_at").is_some(),
+            _ => false,
+        };
+        if ended {
+            break order;
+        }
+        assert!(Instant::now() < deadline, "order still not done: {order}");
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(order["status"], "confirmed", "{order}");
+    assert_eq!(order["total_cents"], 240, "{order}");
+
+    let (status, body) = http(
+        &addr,
+        "POST",
+        "/orders",
+        Some(r#"{"customer":"ann","sku":"spaceship","qty":1}"#),
+    );
+    assert_eq!(status, 422, "{body}");
+    assert!(json(&body)["error"].as_str().unwrap().contains("spaceship"));
+    let (status, _) = http(&addr, "GET", "/orders/not-a-uuid", None);
+    assert_eq!(status, 404);
+
+    let (status, body) = http(&addr, "GET", "/health", None);
+    assert_eq!(status, 200, "{body}");
+    let health = json(&body);
+    for field in [
+        "state",
+        "pending",
+        "poisoned",
+        "oldest_pending_age_ms",
+        "transport",
+    ] {
+        assert!(health.get(field).is_some(), "`{field}` missing: {health}");
+    }
+    assert_eq!(health["state"], "healthy", "{health}");
+
+    // Ctrl-C stops it gracefully.
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let f = wait(child, Duration::from_secs(30));
+    assert!(f.status.success(), "exit {:?}\n{}", f.status, f.stderr);
+    assert!(f.stderr.contains("MiniShop stopped."), "{}", f.stderr);
+}
+
+fn assert_one_line_error(f: &Finished, needle: &str) {
+    assert!(!f.status.success(), "should fail: {}", f.stderr);
+    let first = f.stderr.lines().last().unwrap_or_default();
+    assert!(first.starts_with("error: "), "{}", f.stderr);
+    assert!(f.stderr.contains(needle), "`{needle}` not in: {}", f.stderr);
+    assert!(!f.stderr.contains("panicked"), "{}", f.stderr);
+    assert!(
+        !f.stderr.contains("secretpw"),
+        "password printed: {}",
+        f.stderr
+    );
+    assert_eq!(f.stderr.trim().lines().count(), 1, "{}", f.stderr);
+}
+
+#[test]
+fn bad_input_is_one_line_without_secrets() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = Duration::from_secs(60);
+
+    let f = run(
+        minishop()
+            .args([
+                "--orders",
+                "1",
+                "--amqp",
+                "amqp://shop:secretpw@localhost:notaport/%2f",
+            ])
+            .arg("--data-dir")
+            .arg(dir.path()),
+        limit,
+    );
+    assert_one_line_error(&f, "not a valid AMQP URL");
+
+    let f = run(
+        minishop()
+            .args([
+                "--orders",
+                "1",
+                "--amqp",
+                "amqp://shop:secretpw@127.0.0.1:1/%2f",
+            ])
+            .arg("--data-dir")
+            .arg(dir.path()),
+        limit,
+    );
+    assert_one_line_error(&f, "127.0.0.1:1");
+
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "not a directory").unwrap();
+    let f = run(
+        minishop()
+            .args(["--orders", "1", "--data-dir"])
+            .arg(file.join("data")),
+        limit,
+    );
+    assert_one_line_error(&f, "data directory");
+}
+
+#[test]
+fn a_timeout_says_what_is_stuck() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = run(
+        minishop()
+            .args(["--orders", "1000000", "--timeout", "1s", "--data-dir"])
+            .arg(dir.path()),
+        Duration::from_secs(60),
+    );
+    assert!(!f.status.success(), "{}", f.stdout);
+    assert!(
+        f.stderr.contains("error: timed out after 1s"),
+        "{}",
+        f.stderr
+    );
+    assert!(
+        f.stderr.contains("ordering outbox: pending"),
+        "{}",
+        f.stderr
+    );
+    assert!(
+        f.stderr.contains("warehouse outbox: pending"),
+        "{}",
+        f.stderr
+    );
+}
