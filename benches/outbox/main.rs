@@ -25,7 +25,10 @@ fn main() {
     let started = std::time::Instant::now();
     let mut figures = Vec::new();
     // `cargo bench --bench outbox -- sqlite` runs only the groups named.
-    let groups: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let groups: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let wanted = |g: &str| groups.is_empty() || groups.iter().any(|w| g.contains(w.as_str()));
     rt.block_on(async {
         if wanted("memory") {
