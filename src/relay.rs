@@ -541,8 +541,11 @@ impl Relay {
             .await
         {
             Ok(Ok(Ok(()))) => Result1::Done,
-            Ok(Ok(Err(e))) => Result1::Failed(error_chain(&*e)),
-            Ok(Err(panic)) => Result1::Failed(format!("handler panicked: {}", panic_text(&panic))),
+            Ok(Ok(Err(e))) => Result1::Failed(outbox_api::error_chain(&*e)),
+            Ok(Err(panic)) => Result1::Failed(format!(
+                "handler panicked: {}",
+                outbox_api::panic_message(&*panic)
+            )),
             Err(_) => Result1::Failed(format!("handler timed out after {timeout:?}")),
         };
         span.record("outcome", outcome_name(&result));
@@ -561,7 +564,7 @@ impl Relay {
         let mut outcomes = match sent {
             Ok(o) => o,
             Err(panic) => {
-                let text = format!("transport panicked: {}", panic_text(&panic));
+                let text = format!("transport panicked: {}", outbox_api::panic_message(&*panic));
                 tracing::error!("{text}");
                 vec![Outcome::Unavailable(text); msgs.len()]
             }
@@ -631,8 +634,10 @@ impl Relay {
             }
             Err(panic) => {
                 st.backoff = (st.backoff * 2).min(self.inner.config.probe_max);
-                st.health =
-                    TransportHealth::Down(format!("probe panicked: {}", panic_text(&panic)));
+                st.health = TransportHealth::Down(format!(
+                    "probe panicked: {}",
+                    outbox_api::panic_message(&*panic)
+                ));
                 st.next_probe = Some(tokio::time::Instant::now() + st.backoff);
             }
         }
@@ -759,30 +764,6 @@ fn outcome_name(r: &Result1) -> &'static str {
         Result1::Done => "delivered",
         Result1::Failed(_) => "failed",
         Result1::Unavailable(_) => "unavailable",
-    }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_owned()
     }
 }
 

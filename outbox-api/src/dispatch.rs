@@ -189,3 +189,30 @@ impl Dispatcher for Handlers {
         Ok(())
     }
 }
+
+/// An error and its sources as one line (`outer: cause: root`), leaving out
+/// a source whose text the line already contains.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let s_text = s.to_string();
+        if !text.contains(&s_text) {
+            text.push_str(": ");
+            text.push_str(&s_text);
+        }
+        source = s.source();
+    }
+    text
+}
+
+/// The message of a caught panic's payload.
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}

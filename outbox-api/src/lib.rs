@@ -21,7 +21,10 @@ mod transport;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use dispatch::{Dispatcher, Handler, HandlerError, Handlers, MessageContext, NoHandler};
+pub use dispatch::{
+    Dispatcher, Handler, HandlerError, Handlers, MessageContext, NoHandler, error_chain,
+    panic_message,
+};
 pub use enqueue::Enqueue;
 pub use error::{Error, ErrorKind, Result, redact_url};
 pub use health::{HealthReport, HealthStatus, TransportHealth};

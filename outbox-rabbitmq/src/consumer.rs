@@ -932,8 +932,11 @@ impl Worker {
         let run = AssertUnwindSafe(self.handler.handle(received, &mut tx)).catch_unwind();
         let failure = match timeout(limit, run).await {
             Ok(Ok(Ok(()))) => None,
-            Ok(Ok(Err(e))) => Some(error_chain(&*e)),
-            Ok(Err(panic)) => Some(format!("handler panicked: {}", panic_text(&panic))),
+            Ok(Ok(Err(e))) => Some(outbox_api::error_chain(&*e)),
+            Ok(Err(panic)) => Some(format!(
+                "handler panicked: {}",
+                outbox_api::panic_message(&*panic)
+            )),
             Err(_) => Some(format!("handler timed out after {limit:?}")),
         };
         if let Some(error) = failure {
@@ -950,30 +953,6 @@ impl Worker {
 /// `true` when an ack/nack/reject went out.
 fn settle(result: lapin::Result<bool>) -> bool {
     matches!(result, Ok(true))
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let s_text = s.to_string();
-        if !text.contains(&s_text) {
-            text.push_str(": ");
-            text.push_str(&s_text);
-        }
-        source = s.source();
-    }
-    text
-}
-
-fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = panic.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = panic.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "non-string panic payload".to_owned()
-    }
 }
 
 #[cfg(test)]

@@ -53,13 +53,7 @@ pub fn quiet_deliberate_panics() {
     ONCE.call_once(|| {
         let default = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            let payload = info.payload();
-            let text = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            if !text.contains("on purpose") {
+            if !crate::panic_message(info.payload()).contains("on purpose") {
                 default(info);
             }
         }));
