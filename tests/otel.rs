@@ -1,25 +1,66 @@
 //! Trace propagation (feature `opentelemetry`, on in the tests): the trace id
-//! at enqueue equals the trace id in the handler's span, and the delivery
-//! span is a child of the enqueuing span.
+//! at enqueue equals the trace id in the handler's span — in-process, and
+//! across the relay, RabbitMQ and the consumer — and delivery spans are
+//! children of the enqueuing span. Spans go to one in-memory exporter,
+//! installed as the global subscriber of this test binary (a thread-local
+//! default would race with tracing's callsite cache across test threads);
+//! each test finds its own spans by trace id.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
 
+use async_trait::async_trait;
 use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use outbox::memory::MemoryStore;
-use outbox::{Handlers, Message, MessageKind, NewMessage, OperatorStore, Relay};
+use outbox::testing::StoreUnderTest;
+use outbox::{HandlerError, Handlers, Message, MessageKind, NewMessage, OperatorStore, Relay};
+use outbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use outbox_rabbitmq::lapin::types::FieldTable;
+use outbox_rabbitmq::lapin::{Connection, ConnectionProperties};
+use outbox_rabbitmq::testing::{amqp_url_from_env, unique_name};
+use outbox_rabbitmq::{InboxHandler, RabbitConsumer, RabbitTransport, Received};
+use outbox_sqlite::sqlx::SqliteConnection;
+use outbox_sqlite::testing::SqlxUnderTest;
 use tracing_subscriber::layer::SubscriberExt;
 
-#[tokio::test(flavor = "current_thread")]
-async fn trace_continues_from_enqueue_to_handler() {
-    let exporter = InMemorySpanExporter::default();
-    let provider = SdkTracerProvider::builder()
-        .with_simple_exporter(exporter.clone())
-        .build();
-    let subscriber = tracing_subscriber::registry()
-        .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
-    let _guard = tracing::subscriber::set_default(subscriber);
+struct Tracing {
+    exporter: InMemorySpanExporter,
+    provider: SdkTracerProvider,
+}
 
+fn tracing() -> &'static Tracing {
+    static TRACING: OnceLock<Tracing> = OnceLock::new();
+    TRACING.get_or_init(|| {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")));
+        tracing::subscriber::set_global_default(subscriber).expect("the only global subscriber");
+        Tracing { exporter, provider }
+    })
+}
+
+fn spans_of(trace_id: &str) -> Vec<SpanData> {
+    let t = tracing();
+    t.provider.force_flush().unwrap();
+    t.exporter
+        .get_finished_spans()
+        .unwrap()
+        .into_iter()
+        .filter(|s| s.span_context.trace_id().to_string() == trace_id)
+        .collect()
+}
+
+fn part(traceparent: &str, n: usize) -> String {
+    traceparent.split('-').nth(n).unwrap().to_owned()
+}
+
+#[tokio::test]
+async fn trace_continues_from_enqueue_to_handler() {
+    tracing();
     let store = MemoryStore::new();
     let id = {
         let span = tracing::info_span!("place_order");
@@ -42,8 +83,7 @@ async fn trace_continues_from_enqueue_to_handler() {
         .unwrap()
         .trace_parent
         .expect("traceparent captured at enqueue");
-    let enqueue_trace = stored.split('-').nth(1).unwrap().to_owned();
-    let enqueue_span = stored.split('-').nth(2).unwrap().to_owned();
+    let (enqueue_trace, enqueue_span) = (part(&stored, 1), part(&stored, 2));
 
     let seen: Arc<Mutex<Option<String>>> = Default::default();
     let s = seen.clone();
@@ -63,18 +103,15 @@ async fn trace_continues_from_enqueue_to_handler() {
         .clone()
         .expect("the handler runs inside a traced span");
     assert_eq!(
-        in_handler.split('-').nth(1).unwrap(),
+        part(&in_handler, 1),
         enqueue_trace,
         "same trace id in the handler"
     );
-
-    provider.force_flush().unwrap();
-    let spans = exporter.get_finished_spans().unwrap();
+    let spans = spans_of(&enqueue_trace);
     let deliver = spans
         .iter()
         .find(|s| s.name == "outbox.deliver")
         .expect("a delivery span was exported");
-    assert_eq!(deliver.span_context.trace_id().to_string(), enqueue_trace);
     assert_eq!(
         deliver.parent_span_id.to_string(),
         enqueue_span,
@@ -88,4 +125,102 @@ fn without_a_span_nothing_is_captured() {
         .into_message(outbox::Timestamp::now())
         .unwrap();
     assert_eq!(m.trace_parent, None);
+}
+
+/// Records the trace context the consumer's handler runs in.
+#[derive(Clone, Default)]
+struct TraceRecorder(Arc<Mutex<Vec<Option<String>>>>);
+
+#[async_trait]
+impl InboxHandler for TraceRecorder {
+    async fn handle(
+        &self,
+        _msg: &Received,
+        _tx: &mut SqliteConnection,
+    ) -> Result<(), HandlerError> {
+        self.0
+            .lock()
+            .unwrap()
+            .push(outbox::trace::current_traceparent());
+        Ok(())
+    }
+}
+
+/// Across RabbitMQ: enqueue (SQLite) → relay → RabbitMQ → RabbitConsumer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_id_continues_across_rabbitmq() {
+    tracing();
+    let url = amqp_url_from_env();
+    let queue = unique_name("otel");
+    let connection = Connection::connect(&url, ConnectionProperties::default())
+        .await
+        .expect("connect to OUTBOX_AMQP_URL");
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let producer = SqlxUnderTest::fresh(None).await;
+    let receiver = SqlxUnderTest::fresh(None).await;
+    let recorder = TraceRecorder::default();
+    let consumer = RabbitConsumer::builder(url.clone(), queue.as_str())
+        .spawn(
+            receiver.sqlite().outbox(),
+            receiver.pool().clone(),
+            recorder.clone(),
+        )
+        .await
+        .expect("start the consumer");
+    let transport = RabbitTransport::builder(url.clone())
+        .with_routing_key(queue.clone())
+        .build()
+        .await
+        .unwrap();
+    let relay = Relay::builder_shared(producer.store())
+        .transport(transport)
+        .spawn()
+        .unwrap();
+
+    let trace_id = {
+        let span = tracing::info_span!("checkout");
+        let _entered = span.enter();
+        let tp = outbox::trace::current_traceparent().expect("the checkout span is traced");
+        // No explicit trace_parent: enqueue captures the current span's.
+        producer
+            .enqueue(vec![NewMessage::new(
+                MessageKind::Integration,
+                "Checkout",
+                b"{}".to_vec(),
+            )])
+            .await;
+        part(&tp, 1)
+    };
+    outbox::testing::wait_until(
+        "the consumer handled the message",
+        Duration::from_secs(30),
+        || async { !recorder.0.lock().unwrap().is_empty() },
+    )
+    .await;
+    let seen = recorder.0.lock().unwrap()[0]
+        .clone()
+        .expect("the handler runs in a traced span");
+    assert_eq!(part(&seen, 1), trace_id, "same trace id at the consumer");
+    relay.shutdown().await;
+    consumer.shutdown().await;
+    let spans = spans_of(&trace_id);
+    for name in ["checkout", "outbox.deliver", "outbox.receive"] {
+        assert!(
+            spans.iter().any(|s| s.name == name),
+            "{name} is part of the trace: {:?}",
+            spans.iter().map(|s| &s.name).collect::<Vec<_>>()
+        );
+    }
+    let _ = channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await;
 }
