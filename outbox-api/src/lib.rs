@@ -3,7 +3,7 @@
 //! the error type, retry policy and health types.
 //!
 //! Backends depend on this crate only; applications use the `outbox` facade.
-//! With the `testing` feature, [`testing`] holds the conformance suite that
+//! With the `testing` feature, the `testing` module holds the conformance suite that
 //! every backend runs.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
