@@ -303,15 +303,42 @@ impl Relay {
         let started = self.inner.drains_started.load(Ordering::SeqCst);
         self.probe_if_due().await;
         let mut total = DrainReport::default();
+        let mut next: Option<Vec<Message>> = None;
         loop {
             if self.stopping() {
+                if let Some(batch) = next {
+                    self.release_unattempted(&batch).await?;
+                }
                 return Ok(total);
             }
-            let (report, claimed) = self.run_batch().await?;
-            total.add(report);
-            if claimed == 0 {
+            let batch = match next.take() {
+                Some(batch) => batch,
+                None => self.claim().await?,
+            };
+            if batch.is_empty() {
                 break;
             }
+            // A full batch suggests more work: claim the next batch while this
+            // one is delivered, so the store's round trip overlaps the
+            // broker's (the next claim cannot take this batch's messages, nor
+            // their keys' successors: they are leased).
+            let (report, prefetched) = if batch.len() == self.inner.config.batch_size {
+                let (report, prefetched) = tokio::join!(self.deliver_batch(batch), self.claim());
+                match (report, prefetched) {
+                    (Ok(report), Ok(prefetched)) => (report, Some(prefetched)),
+                    (Err(e), Ok(prefetched)) => {
+                        self.release_unattempted(&prefetched).await.ok();
+                        return Err(e);
+                    }
+                    (_, Err(e)) => return Err(e),
+                }
+            } else {
+                (self.deliver_batch(batch).await?, None)
+            };
+            total.add(report);
+            // An empty prefetch proves nothing: this batch's completion may
+            // just have unblocked its keys' successors. Claim afresh.
+            next = prefetched.filter(|b| !b.is_empty());
         }
         self.inner.idle.send_modify(|v| *v = (*v).max(started));
         Ok(total)
@@ -320,12 +347,22 @@ impl Relay {
     /// Claims one batch and delivers it; returns what happened and how many
     /// messages were claimed.
     pub async fn run_batch(&self) -> Result<(DrainReport, usize)> {
-        let Some(kind) = self.claimable_kinds() else {
+        let batch = self.claim().await?;
+        let claimed = batch.len();
+        if claimed == 0 {
             return Ok((DrainReport::default(), 0));
+        }
+        let report = self.deliver_batch(batch).await?;
+        Ok((report, claimed))
+    }
+
+    /// Claims up to a batch of what this relay can deliver right now.
+    async fn claim(&self) -> Result<Vec<Message>> {
+        let Some(kind) = self.claimable_kinds() else {
+            return Ok(Vec::new());
         };
         let cfg = &self.inner.config;
-        let batch = self
-            .inner
+        self.inner
             .store
             .claim(&ClaimRequest {
                 worker: cfg.worker_id.clone(),
@@ -334,13 +371,23 @@ impl Relay {
                 now: self.now(),
                 kind,
             })
-            .await?;
-        let claimed = batch.len();
-        if claimed == 0 {
-            return Ok((DrainReport::default(), 0));
+            .await
+    }
+
+    /// Gives a claimed but unattempted batch back (shutdown).
+    async fn release_unattempted(&self, batch: &[Message]) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
         }
-        let report = self.deliver_batch(batch).await?;
-        Ok((report, claimed))
+        self.inner
+            .store
+            .release(&Release {
+                worker: self.inner.config.worker_id.clone(),
+                ids: batch.iter().map(|m| m.id).collect(),
+                error: None,
+                available_at: self.now(),
+            })
+            .await
     }
 
     /// Splits a claimed batch into waves: wave *i* holds the *i*-th message
