@@ -106,19 +106,23 @@ impl Reader<'_, '_> {
     }
 
     fn required_text(&mut self, i: usize, name: &str) -> String {
-        match self.text(i, name) {
-            Some(s) => s,
-            None => {
-                if !self
-                    .problems
-                    .iter()
-                    .any(|p| p.contains(&format!("`{name}`")))
-                {
-                    self.problems.push(format!("column `{name}` is NULL"));
-                }
-                String::new()
+        let value = self.text(i, name);
+        self.required(value, name)
+    }
+
+    /// `value`, or a default with a problem noted (unless the column's
+    /// problem is already noted).
+    fn required<T: Default>(&mut self, value: Option<T>, name: &str) -> T {
+        value.unwrap_or_else(|| {
+            if !self
+                .problems
+                .iter()
+                .any(|p| p.contains(&format!("`{name}`")))
+            {
+                self.problems.push(format!("column `{name}` is NULL"));
             }
-        }
+            T::default()
+        })
     }
 
     fn int(&mut self, i: usize, name: &str) -> Option<i64> {
@@ -140,19 +144,8 @@ impl Reader<'_, '_> {
     }
 
     fn required_int(&mut self, i: usize, name: &str) -> i64 {
-        match self.int(i, name) {
-            Some(v) => v,
-            None => {
-                if !self
-                    .problems
-                    .iter()
-                    .any(|p| p.contains(&format!("`{name}`")))
-                {
-                    self.problems.push(format!("column `{name}` is NULL"));
-                }
-                0
-            }
-        }
+        let value = self.int(i, name);
+        self.required(value, name)
     }
 }
 
