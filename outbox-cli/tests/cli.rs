@@ -262,9 +262,26 @@ async fn retry_moves_a_poisoned_message_back_to_pending() {
     let note = m.last_error.unwrap();
     assert!(note.contains("retried by alice"), "{note}");
     assert!(note.contains("boom"), "{note}");
-    // It is claimable again: a relay would deliver it.
-    let claimed = f.store.claim(&claim_one("relay")).await.unwrap();
-    assert_eq!(claimed[0].id, f.poisoned);
+    // The relay delivers it now (its handler succeeds this time).
+    let delivered = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let d = delivered.clone();
+    let relay = outbox::Relay::builder(f.store.clone())
+        .dispatcher(outbox::Handlers::new().on_message(
+            "OrderPlaced",
+            move |m: &outbox::Message| {
+                d.lock().unwrap().push(m.id);
+                async { Ok::<_, std::io::Error>(()) }
+            },
+        ))
+        .build()
+        .unwrap();
+    relay.drain().await.unwrap();
+    assert!(
+        delivered.lock().unwrap().contains(&f.poisoned),
+        "the relay delivered the retried message"
+    );
+    let m = f.store.get(f.poisoned).await.unwrap().unwrap();
+    assert_eq!(m.state, MessageState::Processed);
 
     // Retrying what is not poisoned is refused.
     assert_error(&outbox(&f.path, &["retry", &id]), 1, "not poisoned");
