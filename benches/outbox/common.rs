@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use hdrhistogram::Histogram;
-use outbox::{Handlers, Message};
+use outbox::{Handlers, Message, RelayBuilder};
 
 /// One measured figure, possibly beside a baseline from the same run.
 pub struct Figure {
@@ -153,4 +153,15 @@ pub fn print_table(figures: &[Figure]) {
             f.target
         );
     }
+}
+
+/// Builds the relay, drains the backlog of `n` once (all must be
+/// delivered) and returns messages per second.
+pub async fn drain_rate(relay: RelayBuilder, n: usize) -> f64 {
+    let relay = relay.build().unwrap();
+    let start = std::time::Instant::now();
+    let report = relay.drain().await.unwrap();
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(report.delivered as usize, n, "{report:?}");
+    n as f64 / secs
 }

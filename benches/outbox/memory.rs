@@ -11,34 +11,30 @@ use outbox::{
     Relay, Release, Stats, Store, Timestamp,
 };
 
-use crate::common::{Figure, counting_handlers, histogram, latency_rows};
+use crate::common::{Figure, counting_handlers, drain_rate, histogram, latency_rows};
 
-fn fill(store: &MemoryStore, n: usize) {
+/// Enqueues `n` messages made by `make` in one transaction.
+pub fn fill_with(store: &MemoryStore, n: usize, make: impl Fn(usize) -> NewMessage) {
     let mut tx = store.begin();
     for i in 0..n {
-        tx.enqueue(NewMessage::new(
-            MessageKind::Domain,
-            "Bench",
-            i.to_le_bytes().to_vec(),
-        ))
-        .unwrap();
+        tx.enqueue(make(i)).unwrap();
     }
     tx.commit().unwrap();
+}
+
+fn fill(store: &MemoryStore, n: usize) {
+    fill_with(store, n, |i| {
+        NewMessage::new(MessageKind::Domain, "Bench", i.to_le_bytes().to_vec())
+    });
 }
 
 async fn drain(n: usize, batch: usize) -> f64 {
     let store = MemoryStore::new();
     fill(&store, n);
-    let relay = Relay::builder(store.clone())
+    let relay = Relay::builder(store)
         .dispatcher(counting_handlers(Arc::new(AtomicU64::new(0))))
-        .batch_size(batch)
-        .build()
-        .unwrap();
-    let start = Instant::now();
-    let report = relay.drain().await.unwrap();
-    let secs = start.elapsed().as_secs_f64();
-    assert_eq!(report.delivered as usize, n);
-    n as f64 / secs
+        .batch_size(batch);
+    drain_rate(relay, n).await
 }
 
 /// The same claim + complete calls on the store, with no relay around them.

@@ -18,7 +18,7 @@ use outbox_rabbitmq::lapin::types::FieldTable;
 use outbox_rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
 use outbox_sqlite::rusqlite::TransactionBehavior;
 
-use crate::common::{Figure, histogram, latency_rows, not_measured};
+use crate::common::{Figure, drain_rate, histogram, latency_rows, not_measured};
 use crate::sqlite::{app_connection, open};
 
 const PAYLOAD: usize = 200;
@@ -128,47 +128,21 @@ fn integration(i: usize) -> NewMessage {
 
 async fn relay_memory(b: &Broker, n: usize, window: usize) -> f64 {
     let store = MemoryStore::new();
-    let mut tx = store.begin();
-    for i in 0..n {
-        tx.enqueue(integration(i)).unwrap();
-    }
-    tx.commit().unwrap();
+    crate::memory::fill_with(&store, n, integration);
     let relay = Relay::builder(store)
         .transport(b.transport().await)
-        .batch_size(window)
-        .build()
-        .unwrap();
-    let start = Instant::now();
-    let report = relay.drain().await.unwrap();
-    assert_eq!(report.delivered as usize, n, "{report:?}");
-    n as f64 / start.elapsed().as_secs_f64()
+        .batch_size(window);
+    drain_rate(relay, n).await
 }
 
 async fn relay_sqlite(b: &Broker, n: usize, window: usize) -> f64 {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path()).await;
-    {
-        let mut conn = app_connection(store.path());
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .unwrap();
-        for i in 0..n {
-            store
-                .outbox()
-                .enqueue_rusqlite(&tx, integration(i))
-                .unwrap();
-        }
-        tx.commit().unwrap();
-    }
+    crate::sqlite::fill_with(&store, n, integration);
     let relay = Relay::builder(store)
         .transport(b.transport().await)
-        .batch_size(window)
-        .build()
-        .unwrap();
-    let start = Instant::now();
-    let report = relay.drain().await.unwrap();
-    assert_eq!(report.delivered as usize, n, "{report:?}");
-    n as f64 / start.elapsed().as_secs_f64()
+        .batch_size(window);
+    drain_rate(relay, n).await
 }
 
 /// Records when each message's confirm came back.

@@ -12,7 +12,7 @@ use outbox_sqlite::SqliteStore;
 use outbox_sqlite::rusqlite::{self, TransactionBehavior, params};
 use outbox_sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
 
-use crate::common::{Figure, counting_handlers, histogram, latency_rows};
+use crate::common::{Figure, counting_handlers, drain_rate, histogram, latency_rows};
 
 pub async fn open(dir: &Path) -> SqliteStore {
     let store = SqliteStore::open(dir.join("bench.db")).await.unwrap();
@@ -36,19 +36,24 @@ pub fn bench_message(i: usize) -> NewMessage {
     NewMessage::new(MessageKind::Domain, "Bench", i.to_le_bytes().to_vec())
 }
 
-/// Enqueues `n` messages in transactions of 10 000.
-pub fn fill(store: &SqliteStore, n: usize) {
+/// Enqueues `n` messages made by `make`, in transactions of 10 000.
+pub fn fill_with(store: &SqliteStore, n: usize, make: impl Fn(usize) -> NewMessage) {
     let mut conn = app_connection(store.path());
     let outbox = store.outbox();
-    for chunk in (0..n).collect::<Vec<_>>().chunks(10_000) {
+    for start in (0..n).step_by(10_000) {
         let tx = conn
             .transaction_with_behavior(TransactionBehavior::Immediate)
             .unwrap();
-        for &i in chunk {
-            outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
+        for i in start..(start + 10_000).min(n) {
+            outbox.enqueue_rusqlite(&tx, make(i)).unwrap();
         }
         tx.commit().unwrap();
     }
+}
+
+/// Enqueues `n` bench messages.
+pub fn fill(store: &SqliteStore, n: usize) {
+    fill_with(store, n, bench_message);
 }
 
 /// Business transaction (one order row) with and without one enqueue, via
@@ -133,16 +138,10 @@ async fn drain(n: usize, batch: usize) -> f64 {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path()).await;
     fill(&store, n);
-    let relay = Relay::builder(store.clone())
+    let relay = Relay::builder(store)
         .dispatcher(counting_handlers(Arc::new(AtomicU64::new(0))))
-        .batch_size(batch)
-        .build()
-        .unwrap();
-    let start = Instant::now();
-    let report = relay.drain().await.unwrap();
-    let secs = start.elapsed().as_secs_f64();
-    assert_eq!(report.delivered as usize, n);
-    n as f64 / secs
+        .batch_size(batch);
+    drain_rate(relay, n).await
 }
 
 /// A bare rusqlite loop running the store's own claim and complete SQL.
