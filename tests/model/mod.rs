@@ -143,7 +143,7 @@ fn dispatcher(sink: Arc<Mutex<Sink>>) -> Handlers {
         let result: Result<(), String> = if *calls <= n {
             if how == "panic" {
                 drop(sink);
-                panic!("handler panicked on purpose");
+                panic!("{}handler panicked", outbox::testing::DELIBERATE);
             }
             Err("handler failed on purpose".into())
         } else {
@@ -319,9 +319,19 @@ impl World {
 
     /// Heals everything, runs the relay to the end and checks that nothing
     /// committed was lost.
+    ///
+    /// A failed message is retried one round later and a key's successors
+    /// wait for it, so one key's chain needs up to `MAX_ATTEMPTS` rounds per
+    /// message. Every round makes at least one counted attempt on each
+    /// chain's head, so `committed × MAX_ATTEMPTS` rounds always suffice; the
+    /// loop stops as soon as every message is settled.
     async fn finish(&mut self) {
         self.transport_handle.set_up();
-        for _ in 0..(MAX_ATTEMPTS as usize + 4) {
+        let budget = self.committed.len() * MAX_ATTEMPTS as usize + 2;
+        for _ in 0..budget {
+            if self.unsettled(&self.rows().await).is_none() {
+                break;
+            }
             self.clock.advance(Duration::from_secs(61));
             // Let the probe back-off pass on the real clock.
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -330,18 +340,20 @@ impl World {
         }
         self.check().await;
         let rows = self.rows().await;
+        if let Some(problem) = self.unsettled(&rows) {
+            panic!("after {budget} rounds: {problem}");
+        }
         let sink = self.sink.lock().unwrap();
         let delivered: HashSet<MessageId> =
             self.transport_handle.delivered_ids().into_iter().collect();
-        let by_id: HashMap<MessageId, &Message> = rows.iter().map(|m| (m.id, m)).collect();
-        for (i, (id, spec)) in self.committed.iter().enumerate() {
-            let m = by_id[id];
+        for m in &rows {
+            let spec = &self.index()[&m.id].1;
             match m.state {
                 MessageState::Processed => match spec.fate {
-                    Fate::Out => assert!(delivered.contains(id), "processed but never sent"),
+                    Fate::Out => assert!(delivered.contains(&m.id), "processed but never sent"),
                     Fate::Refused => panic!("a refused message cannot be processed"),
                     _ => assert!(
-                        sink.effects.contains(id),
+                        sink.effects.contains(&m.id),
                         "processed but its effect never happened"
                     ),
                 },
@@ -349,20 +361,28 @@ impl World {
                     !matches!(spec.fate, Fate::Out),
                     "a deliverable message was poisoned"
                 ),
-                MessageState::Pending => {
-                    // Only a message parked behind a poisoned one of its key may still wait.
-                    let parked = model_key(spec).is_some()
-                        && self.committed[..i].iter().any(|(e, s)| {
-                            model_key(s) == model_key(spec)
-                                && by_id[e].state == MessageState::Poisoned
-                        });
-                    assert!(
-                        parked,
-                        "message {id} ({spec:?}) was neither delivered nor parked: {m:?}"
-                    );
-                }
+                MessageState::Pending => {}
             }
         }
+    }
+
+    /// The first committed message that is still pending although it is not
+    /// parked behind a poisoned message of its key, if any.
+    fn unsettled(&self, rows: &[Message]) -> Option<String> {
+        let by_id: HashMap<MessageId, &Message> = rows.iter().map(|m| (m.id, m)).collect();
+        self.committed
+            .iter()
+            .enumerate()
+            .find_map(|(i, (id, spec))| {
+                let m = by_id[id];
+                let parked = model_key(spec).is_some()
+                    && self.committed[..i].iter().any(|(e, s)| {
+                        model_key(s) == model_key(spec) && by_id[e].state == MessageState::Poisoned
+                    });
+                (m.state == MessageState::Pending && !parked).then(|| {
+                    format!("message {id} ({spec:?}) was neither delivered nor parked: {m:?}")
+                })
+            })
     }
 }
 

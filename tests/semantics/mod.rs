@@ -77,7 +77,7 @@ pub fn handlers(log: &Log) -> Handlers {
             c.push(m);
             async {
                 if true {
-                    panic!("handler blew up on purpose");
+                    panic!("{}handler blew up", outbox::testing::DELIBERATE);
                 }
                 Ok::<_, std::io::Error>(())
             }
@@ -221,7 +221,11 @@ pub async fn each_message_in_its_own_scope(f: Fixture, clock: Arc<ManualClock>) 
     let (f, ids) = (&f, &ids);
     let err = |i: usize| async move { get(f, ids[i]).await.last_error.unwrap() };
     assert!(err(1).await.contains("the handler refused it"));
-    assert!(err(2).await.contains("panicked: handler blew up"));
+    assert!(
+        err(2)
+            .await
+            .contains("panicked: on purpose: handler blew up")
+    );
     assert!(err(3).await.contains("timed out"));
     assert!(
         err(4)
@@ -574,17 +578,24 @@ pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>)
         started.load(Ordering::SeqCst) == 1
     })
     .await;
-    let stop = tokio::spawn(async move {
+    let mut stop = Box::pin(async move {
         handle.shutdown().await;
         handle
     });
-    // Let the in-flight handler finish only after shutdown was requested.
-    tokio::task::yield_now().await;
+    // The first poll of `shutdown` requests the stop; only then may the
+    // in-flight handler finish.
+    std::future::poll_fn(|cx| {
+        assert!(
+            stop.as_mut().poll(cx).is_pending(),
+            "shutdown waits for the in-flight handler"
+        );
+        std::task::Poll::Ready(())
+    })
+    .await;
     gate.add_permits(10);
     let handle = tokio::time::timeout(DEADLINE, stop)
         .await
-        .expect("shutdown finishes")
-        .unwrap();
+        .expect("shutdown finishes");
     assert!(!handle.is_running());
     assert_eq!(
         get(&f, ids[0]).await.state,

@@ -46,14 +46,19 @@ where
     }
 }
 
-/// Keeps deliberate panics (whose message contains "on purpose") out of the
-/// test output; every other panic still reports through the default hook.
+/// The prefix that marks a panic message as deliberate, for
+/// [`quiet_deliberate_panics`]: `panic!("{DELIBERATE}handler blew up")`.
+pub const DELIBERATE: &str = "on purpose: ";
+
+/// Keeps deliberate panics (whose message starts with [`DELIBERATE`]) out of
+/// the test output; every other panic still reports through the default hook
+/// — including a test failure whose message quotes a deliberate panic.
 pub fn quiet_deliberate_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         let default = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            if !crate::panic_message(info.payload()).contains("on purpose") {
+            if !crate::panic_message(info.payload()).starts_with(DELIBERATE) {
                 default(info);
             }
         }));
