@@ -403,27 +403,25 @@ async fn default_routing_uses_the_default_exchange_and_the_message_type() {
         transport.send(std::slice::from_ref(&m)).await,
         vec![Outcome::Delivered]
     );
-    let got = fx
-        .channel
-        .basic_get(
-            message_type.as_str().into(),
-            BasicGetOptions { no_ack: true },
-        )
-        .await
-        .unwrap();
-    let got = match got {
-        Some(got) => got,
-        None => {
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            fx.channel
-                .basic_get(
-                    message_type.as_str().into(),
-                    BasicGetOptions { no_ack: true },
-                )
-                .await
-                .unwrap()
-                .expect("message in the queue named like its type")
+    // A confirm means the broker has enqueued it; poll with a deadline anyway.
+    let start = std::time::Instant::now();
+    let got = loop {
+        let got = fx
+            .channel
+            .basic_get(
+                message_type.as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap();
+        if let Some(got) = got {
+            break got;
         }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no message in the queue named like its type"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert_eq!(got.delivery.routing_key.as_str(), message_type);
 
