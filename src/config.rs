@@ -17,9 +17,14 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Counted failures before a message is poisoned (5).
     pub max_attempts: u32,
-    /// How long a claim holds (60 s); must exceed `handler_timeout`.
+    /// How long a claim holds (60 s); must exceed `handler_timeout`. A wave
+    /// of a batch starts only if it can finish, within `handler_timeout`,
+    /// before the lease ends; the rest of the batch goes back untouched and
+    /// is claimed again under a fresh lease.
     pub lease: Duration,
-    /// Longest a domain handler may run before it counts as failed (30 s).
+    /// Longest one delivery may take (30 s): a domain handler that runs
+    /// longer counts as failed; a transport send that gets no answer counts
+    /// as an outage (not an attempt) and is sent again later.
     pub handler_timeout: Duration,
     /// Domain handlers run at once within a batch (64).
     pub concurrency: usize,

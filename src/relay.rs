@@ -10,8 +10,8 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt, stream};
 use outbox_api::{
     ClaimRequest, Clock, Dispatcher, Error, FailOutcome, Failure, HealthReport, HealthStatus,
-    Message, MessageId, MessageKind, Outcome, Release, Result, Store, SystemClock, Transport,
-    TransportHealth,
+    Message, MessageId, MessageKind, Outcome, Release, Result, Store, SystemClock, Timestamp,
+    Transport, TransportHealth,
 };
 use tokio::sync::{Notify, watch};
 use tracing::{Instrument, Span};
@@ -229,6 +229,12 @@ impl std::fmt::Debug for Relay {
     }
 }
 
+/// A claimed batch and when its lease ends (by the relay's clock).
+struct Claimed {
+    messages: Vec<Message>,
+    lease_until: Timestamp,
+}
+
 /// How one message of a batch ended.
 enum Result1 {
     Done,
@@ -303,11 +309,11 @@ impl Relay {
         let started = self.inner.drains_started.load(Ordering::SeqCst);
         self.probe_if_due().await;
         let mut total = DrainReport::default();
-        let mut next: Option<Vec<Message>> = None;
+        let mut next: Option<Claimed> = None;
         loop {
             if self.stopping() {
                 if let Some(batch) = next {
-                    self.release_unattempted(&batch).await?;
+                    self.release_unattempted(&batch.messages).await?;
                 }
                 return Ok(total);
             }
@@ -315,19 +321,19 @@ impl Relay {
                 Some(batch) => batch,
                 None => self.claim().await?,
             };
-            if batch.is_empty() {
+            if batch.messages.is_empty() {
                 break;
             }
             // A full batch suggests more work: claim the next batch while this
             // one is delivered, so the store's round trip overlaps the
             // broker's (the next claim cannot take this batch's messages, nor
             // their keys' successors: they are leased).
-            let (report, prefetched) = if batch.len() == self.inner.config.batch_size {
+            let (report, prefetched) = if batch.messages.len() == self.inner.config.batch_size {
                 let (report, prefetched) = tokio::join!(self.deliver_batch(batch), self.claim());
                 match (report, prefetched) {
                     (Ok(report), Ok(prefetched)) => (report, Some(prefetched)),
                     (Err(e), Ok(prefetched)) => {
-                        self.release_unattempted(&prefetched).await.ok();
+                        self.release_unattempted(&prefetched.messages).await.ok();
                         return Err(e);
                     }
                     (_, Err(e)) => return Err(e),
@@ -338,7 +344,7 @@ impl Relay {
             total.add(report);
             // An empty prefetch proves nothing: this batch's completion may
             // just have unblocked its keys' successors. Claim afresh.
-            next = prefetched.filter(|b| !b.is_empty());
+            next = prefetched.filter(|b| !b.messages.is_empty());
         }
         self.inner.idle.send_modify(|v| *v = (*v).max(started));
         Ok(total)
@@ -348,7 +354,7 @@ impl Relay {
     /// messages were claimed.
     pub async fn run_batch(&self) -> Result<(DrainReport, usize)> {
         let batch = self.claim().await?;
-        let claimed = batch.len();
+        let claimed = batch.messages.len();
         if claimed == 0 {
             return Ok((DrainReport::default(), 0));
         }
@@ -357,21 +363,31 @@ impl Relay {
     }
 
     /// Claims up to a batch of what this relay can deliver right now.
-    async fn claim(&self) -> Result<Vec<Message>> {
-        let Some(kind) = self.claimable_kinds() else {
-            return Ok(Vec::new());
-        };
+    async fn claim(&self) -> Result<Claimed> {
+        let now = self.now();
         let cfg = &self.inner.config;
-        self.inner
+        let lease_until = now.add(cfg.lease);
+        let Some(kind) = self.claimable_kinds() else {
+            return Ok(Claimed {
+                messages: Vec::new(),
+                lease_until,
+            });
+        };
+        let messages = self
+            .inner
             .store
             .claim(&ClaimRequest {
                 worker: cfg.worker_id.clone(),
                 limit: cfg.batch_size,
                 lease: cfg.lease,
-                now: self.now(),
+                now,
                 kind,
             })
-            .await
+            .await?;
+        Ok(Claimed {
+            messages,
+            lease_until,
+        })
     }
 
     /// Gives a claimed but unattempted batch back (shutdown).
@@ -414,7 +430,12 @@ impl Relay {
         waves
     }
 
-    async fn deliver_batch(&self, batch: Vec<Message>) -> Result<DrainReport> {
+    async fn deliver_batch(&self, batch: Claimed) -> Result<DrainReport> {
+        let Claimed {
+            messages: batch,
+            lease_until,
+        } = batch;
+        let timeout = self.inner.config.handler_timeout;
         let mut report = DrainReport {
             batches: 1,
             ..Default::default()
@@ -424,13 +445,25 @@ impl Relay {
         let mut outage: Option<String> = None;
         let mut failed_keys: std::collections::HashSet<String> = Default::default();
         for (index, wave) in Self::waves(batch).into_iter().enumerate() {
+            // A wave starts only if it would finish (within `handler_timeout`)
+            // while the lease still holds: otherwise another relay could take
+            // its messages mid-delivery. Slow earlier waves, or a batch
+            // claimed ahead that waited, give the rest back for a fresh claim.
+            let lease_holds = self.now().add(timeout) <= lease_until;
             // After a failure, an outage or a shutdown request, the rest of a
             // key's messages go back untouched (in order, uncounted).
             let (wave, held): (Vec<Message>, Vec<Message>) = wave.into_iter().partition(|m| {
-                !(index > 0 && self.stopping())
+                lease_holds
+                    && !(index > 0 && self.stopping())
                     && outage.is_none()
                     && m.key.as_ref().is_none_or(|k| !failed_keys.contains(k))
             });
+            if !lease_holds && !held.is_empty() {
+                tracing::debug!(
+                    count = held.len(),
+                    "lease too short for another wave; giving the rest back"
+                );
+            }
             to_release.extend(held.iter().map(|m| m.id));
             if wave.is_empty() {
                 continue;
@@ -607,12 +640,23 @@ impl Relay {
                 .map(|_| Result1::Unavailable("no transport configured".into()))
                 .collect();
         };
-        let sent = AssertUnwindSafe(transport.send(msgs)).catch_unwind().await;
+        let timeout = self.inner.config.handler_timeout;
+        let sent = tokio::time::timeout(
+            timeout,
+            AssertUnwindSafe(transport.send(msgs)).catch_unwind(),
+        )
+        .await;
         let mut outcomes = match sent {
-            Ok(o) => o,
-            Err(panic) => {
+            Ok(Ok(o)) => o,
+            Ok(Err(panic)) => {
                 let text = format!("transport panicked: {}", outbox_api::panic_message(&*panic));
                 tracing::error!("{text}");
+                vec![Outcome::Unavailable(text); msgs.len()]
+            }
+            // The broker may or may not have the messages: they are sent
+            // again later (at least once), and the attempt does not count.
+            Err(_) => {
+                let text = format!("transport send timed out after {timeout:?}");
                 vec![Outcome::Unavailable(text); msgs.len()]
             }
         };

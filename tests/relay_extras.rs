@@ -166,3 +166,66 @@ async fn exponential_backoff_spaces_out_retries() {
 }
 
 use outbox::Clock;
+
+/// A transport whose first send never answers (a broker that accepted the
+/// connection and then went silent); later sends deliver.
+#[derive(Debug, Default)]
+struct SilentOnce {
+    sends: std::sync::atomic::AtomicUsize,
+    delivered: Mutex<Vec<outbox::MessageId>>,
+}
+
+#[async_trait::async_trait]
+impl outbox::Transport for SilentOnce {
+    async fn send(&self, batch: &[outbox::Message]) -> Vec<outbox::Outcome> {
+        if self.sends.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            std::future::pending::<()>().await;
+        }
+        let mut delivered = self.delivered.lock().unwrap();
+        delivered.extend(batch.iter().map(|m| m.id));
+        vec![outbox::Outcome::Delivered; batch.len()]
+    }
+    async fn probe(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_send_that_never_answers_times_out_uncounted_and_is_sent_again() {
+    let store = MemoryStore::new();
+    let mut tx = store.begin();
+    let id = tx
+        .enqueue(NewMessage::new(
+            MessageKind::Integration,
+            "Out",
+            b"x".to_vec(),
+        ))
+        .unwrap();
+    tx.commit().unwrap();
+    let transport = Arc::new(SilentOnce::default());
+    let handle = Relay::builder(store.clone())
+        .transport_shared(transport.clone())
+        .handler_timeout(Duration::from_millis(200))
+        .lease(Duration::from_secs(5))
+        .probe_initial(Duration::from_millis(1))
+        .poll_interval(Duration::from_millis(50))
+        .spawn()
+        .unwrap();
+    outbox::testing::wait_until("the message is processed", Duration::from_secs(20), || {
+        let store = store.clone();
+        async move { store.get(id).await.unwrap().unwrap().state == MessageState::Processed }
+    })
+    .await;
+    let m = store.get(id).await.unwrap().unwrap();
+    assert_eq!(
+        m.attempts, 0,
+        "a timed-out send is an outage, not an attempt"
+    );
+    assert!(
+        m.last_error.as_deref().unwrap_or("").contains("timed out"),
+        "{m:?}"
+    );
+    assert_eq!(*transport.delivered.lock().unwrap(), [id]);
+    assert_eq!(transport.sends.load(std::sync::atomic::Ordering::SeqCst), 2);
+    handle.shutdown().await;
+}

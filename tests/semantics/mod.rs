@@ -550,6 +550,61 @@ pub async fn retention_purges_in_batches(f: Fixture, clock: Arc<ManualClock>) {
     assert_eq!((s.processed, s.poisoned, s.pending), (1, 1, 1));
 }
 
+/// A wave starts only if it can finish within the lease: when earlier waves
+/// used up the lease, the rest of the batch goes back untouched and comes
+/// again under a fresh lease, still in key order — so no other relay can
+/// take a message while a handler runs on it.
+pub async fn waves_never_outlive_their_lease(f: Fixture, clock: Arc<ManualClock>) {
+    // Per handler call: payload, when it started, and its row's lease end.
+    type Call = (String, Timestamp, Option<Timestamp>);
+    let calls: Arc<Mutex<Vec<Call>>> = Default::default();
+    let (c, store, k) = (calls.clone(), f.store(), clock.clone());
+    let handlers = Handlers::new().on_message("Timed", move |m: &Message| {
+        let (c, store, k, m) = (c.clone(), store.clone(), k.clone(), m.clone());
+        async move {
+            let row = store.get(m.id).await.unwrap().expect("claimed row");
+            let text = String::from_utf8_lossy(&m.payload).into_owned();
+            c.lock()
+                .unwrap()
+                .push((text.clone(), k.now_ts(), row.locked_until));
+            if text == "0" {
+                // The first handler is slow: 31 s of the 60 s lease are gone.
+                k.advance(Duration::from_secs(31));
+            }
+            Ok::<_, std::io::Error>(())
+        }
+    });
+    let ids = f
+        .enqueue((0..3).map(|n| dmsg("Timed", n).key("k")).collect())
+        .await;
+    let relay = Relay::builder_shared(f.store())
+        .clock(clock.clone())
+        .dispatcher(handlers)
+        .lease(Duration::from_secs(60))
+        .handler_timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let report = relay.drain().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    let order: Vec<&str> = calls.iter().map(|c| c.0.as_str()).collect();
+    assert_eq!(order, ["0", "1", "2"], "each once, in key order");
+    for (text, started, until) in &calls {
+        let until = until.expect("a handler runs on a leased message");
+        assert!(
+            started.add(Duration::from_secs(30)) <= until,
+            "message {text} started at {started:?} on a lease ending {until:?}: it could be taken mid-delivery"
+        );
+    }
+    assert_eq!(
+        report.released, 2,
+        "the two later waves went back: {report:?}"
+    );
+    for id in ids {
+        let m = get(&f, id).await;
+        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0));
+    }
+}
+
 /// Shutdown stops claiming, finishes in-flight work and gives unfinished
 /// leases back; afterwards health is Unhealthy.
 pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>) {
@@ -748,7 +803,8 @@ macro_rules! semantics_tests {
             original_configuration, batches_drain_until_empty, each_message_in_its_own_scope,
             processed_only_after_success, outage_does_not_count, crash_redelivers_after_lease,
             many_relays_deliver_each_once, per_key_order, poison_parks_only_its_key,
-            retention_purges_in_batches, shutdown_finishes_and_releases, health_reports,
+            retention_purges_in_batches, waves_never_outlive_their_lease,
+            shutdown_finishes_and_releases, health_reports,
             commit_wakes_relay, bad_configuration_is_refused);
     };
     (@each $backend:ty; $($name:ident),* $(,)?) => {
