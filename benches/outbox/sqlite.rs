@@ -150,7 +150,7 @@ async fn drain_bare(n: usize, batch: usize) -> f64 {
     let store = open(dir.path()).await;
     fill(&store, n);
     let (claim, complete) = (
-        store.claim_statement().to_owned(),
+        store.claim_statement(batch),
         store.complete_statement().to_owned(),
     );
     let path = store.path().to_owned();
@@ -163,10 +163,9 @@ async fn drain_bare(n: usize, batch: usize) -> f64 {
             let ids: Vec<String> = conn
                 .prepare_cached(&claim)
                 .unwrap()
-                .query_map(
-                    params!["bare", now + 60_000, now, None::<String>, batch as i64],
-                    |r| r.get::<_, String>(1),
-                )
+                .query_map(params!["bare", now + 60_000, now, None::<String>], |r| {
+                    r.get::<_, String>(1)
+                })
                 .unwrap()
                 .collect::<Result<_, _>>()
                 .unwrap();

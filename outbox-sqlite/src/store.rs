@@ -248,11 +248,11 @@ impl SqliteStore {
         &self.inner.sql.inbox
     }
 
-    /// The exact claim statement this store runs (parameters: `?1` worker,
-    /// `?2` locked_until, `?3` now, `?4` kind or NULL, `?5` limit), for
-    /// inspection (`EXPLAIN QUERY PLAN`) and same-SQL baselines.
-    pub fn claim_statement(&self) -> &str {
-        &self.inner.sql.claim
+    /// The exact claim statement this store runs for batches of `limit`
+    /// (parameters: `?1` worker, `?2` locked_until, `?3` now, `?4` kind or
+    /// NULL), for inspection (`EXPLAIN QUERY PLAN`) and same-SQL baselines.
+    pub fn claim_statement(&self, limit: usize) -> String {
+        self.inner.sql.claim(limit)
     }
 
     /// The exact statement that marks one message processed (`?1`
@@ -305,9 +305,8 @@ fn claim_blocking(
     let kind = r.kind.map(|k| k.as_str());
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
     let mut rows: Vec<Decoded> = {
-        let mut stmt = tx.prepare_cached(&sql.claim)?;
-        let mapped =
-            stmt.query_map(params![r.worker, until, now, kind, to_i64(r.limit)], decode)?;
+        let mut stmt = tx.prepare_cached(&sql.claim(r.limit))?;
+        let mapped = stmt.query_map(params![r.worker, until, now, kind], decode)?;
         mapped.collect::<rusqlite::Result<_>>()?
     };
     rows.sort_by_key(|d| d.seq);
@@ -605,6 +604,32 @@ impl OperatorStore for SqliteStore {
 mod tests {
     use super::*;
 
+    /// SQLite keeps the compiled claim between calls: a bound LIMIT in the
+    /// `IN (SELECT …)` made it re-prepare on every execution.
+    #[test]
+    fn claim_statement_is_not_reprepared_per_call() {
+        let mut conn = Connection::open_in_memory().unwrap();
+        let tx = conn.transaction().unwrap();
+        schema::migrate_table(&tx, TableKind::Outbox, "ob", 0).unwrap();
+        tx.commit().unwrap();
+        let mut stmt = conn.prepare(&claim_sql("ob", 20)).unwrap();
+        for now in 0..5i64 {
+            let n = stmt
+                .query_map(
+                    params!["w", now + 60_000, now, Option::<&str>::None],
+                    |_| Ok(()),
+                )
+                .unwrap()
+                .count();
+            assert_eq!(n, 0);
+        }
+        assert_eq!(
+            stmt.get_status(rusqlite::StatementStatus::RePrepare),
+            0,
+            "the claim statement was compiled again on a call"
+        );
+    }
+
     /// The claim walks the pending index in seq order and checks a key's
     /// earlier messages through the key index: work proportional to the batch.
     #[test]
@@ -614,10 +639,10 @@ mod tests {
         schema::migrate_table(&tx, TableKind::Outbox, "ob", 0).unwrap();
         tx.commit().unwrap();
         let mut stmt = conn
-            .prepare(&format!("EXPLAIN QUERY PLAN {}", claim_sql("ob")))
+            .prepare(&format!("EXPLAIN QUERY PLAN {}", claim_sql("ob", 10)))
             .unwrap();
         let plan: Vec<String> = stmt
-            .query_map(params!["w", 1, 1, Option::<&str>::None, 10], |r| r.get(3))
+            .query_map(params!["w", 1, 1, Option::<&str>::None], |r| r.get(3))
             .unwrap()
             .collect::<rusqlite::Result<_>>()
             .unwrap();
