@@ -324,11 +324,20 @@ impl Relay {
             if batch.messages.is_empty() {
                 break;
             }
-            // A full batch suggests more work: claim the next batch while this
-            // one is delivered, so the store's round trip overlaps the
-            // broker's (the next claim cannot take this batch's messages, nor
-            // their keys' successors: they are leased).
-            let (report, prefetched) = if batch.messages.len() == self.inner.config.batch_size {
+            // A full batch suggests more work. If it goes to the broker, claim
+            // the next batch while this one is delivered, so the store's round
+            // trip overlaps the broker's (the next claim cannot take this
+            // batch's messages, nor their keys' successors: they are leased).
+            // In-process handlers are too quick to hide a claim behind: there
+            // the overlap only makes the claim and this batch's completion
+            // queue for the same store connection (measured: drain at batch
+            // 20 on SQLite 58k msg/s with it, 88k without).
+            let claim_ahead = batch.messages.len() == self.inner.config.batch_size
+                && batch
+                    .messages
+                    .iter()
+                    .any(|m| m.kind == MessageKind::Integration);
+            let (report, prefetched) = if claim_ahead {
                 let (report, prefetched) = tokio::join!(self.deliver_batch(batch), self.claim());
                 match (report, prefetched) {
                     (Ok(report), Ok(prefetched)) => (report, Some(prefetched)),

@@ -431,10 +431,15 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
         "≤ 0.5 ms",
         "≤ 2 ms",
     ));
-    let rate = (capacity * 0.8).min(200_000.0);
-    let (hist, achieved) =
-        latency_loaded(rate, Duration::from_secs(if quick { 1 } else { 5 }), 100).await;
-    out.extend(latency_rows(&format!("commit → handled, SQLite, {rate:.0} msg/s offered (80 % of capacity; {achieved:.0} achieved)"), &hist, "—", "—"));
+    // Capacity under load: the drain figures above have the machine to
+    // themselves, but here a writer shares the two cores and the database's
+    // write lock. Offer 1.5 × the drain capacity; what the relay sustains
+    // beside that writer is the capacity the 80 % is taken of.
+    let secs = Duration::from_secs(if quick { 1 } else { 5 });
+    let (_, sustained) = latency_loaded((capacity * 1.5).min(300_000.0), secs, 100).await;
+    let rate = sustained * 0.8;
+    let (hist, achieved) = latency_loaded(rate, secs, 100).await;
+    out.extend(latency_rows(&format!("commit → handled, SQLite, {rate:.0} msg/s offered (80 % of the {sustained:.0} msg/s sustained beside a writer; {achieved:.0} achieved)"), &hist, "—", "—"));
     out.push(rss_figure(if quick { 100_000 } else { 1_000_000 }));
     out
 }
