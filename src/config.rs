@@ -32,9 +32,12 @@ pub struct RelayConfig {
     pub retry_policy: RetryPolicy,
     /// Processed messages are purged after this long (7 days); `None` keeps them.
     pub retention: Option<Duration>,
-    /// How often the purge runs (1 min).
+    /// How often the purge runs (1 min). It runs in its own task beside
+    /// the deliveries, so a long purge never delays them.
     pub purge_interval: Duration,
-    /// Rows deleted per purge statement (500), so writers never wait long.
+    /// Rows deleted per purge statement (500), so writers never wait long;
+    /// between statements the purge rests four times as long as the last
+    /// one took, so waiting writers get the database.
     pub purge_batch: usize,
     /// Health turns Degraded when a pending message is older than this (5 min).
     pub backlog_age_alert: Duration,

@@ -752,12 +752,37 @@ impl Relay {
         let batch = self.inner.config.purge_batch;
         let mut total = 0;
         loop {
+            let started = tokio::time::Instant::now();
             let n = self.inner.store.purge_processed(before, batch).await?;
             total += n;
             if (n as usize) < batch || self.stopping() {
                 return Ok(total);
             }
-            tokio::task::yield_now().await;
+            // Rest between batches, four times as long as the batch held the
+            // store (at least 1 ms): writers waiting for the database get in
+            // instead of sleeping in their busy handler while batch after
+            // batch goes by (measured by the bench: enqueue p99 19 ms and a
+            // 105 ms stall while 300k rows were purged back to back).
+            tokio::time::sleep((started.elapsed() * 4).max(Duration::from_millis(1))).await;
+        }
+    }
+
+    /// Purges past retention every `purge_interval` until shutdown; runs
+    /// beside the delivery loop, so a long purge never delays deliveries.
+    async fn purge_loop(self) {
+        let mut shutdown = self.inner.shutdown.subscribe();
+        while !*shutdown.borrow() {
+            match self.purge().await {
+                Ok(n) if n > 0 => {
+                    tracing::info!(purged = n, "purged processed messages past retention")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.inner.config.purge_interval) => {}
+                _ = shutdown.changed() => {}
+            }
         }
     }
 
@@ -819,7 +844,10 @@ impl Relay {
         let mut listener = self.inner.store.listen();
         let mut shutdown = self.inner.shutdown.subscribe();
         let cfg = self.inner.config.clone();
-        let mut next_purge = tokio::time::Instant::now();
+        let purger = cfg
+            .retention
+            .is_some()
+            .then(|| tokio::spawn(self.clone().purge_loop()));
         tracing::info!(worker = %cfg.worker_id, "relay started");
         while !*shutdown.borrow() {
             let wait = match self.drain().await {
@@ -833,16 +861,6 @@ impl Relay {
                     cfg.store_error_backoff
                 }
             };
-            if cfg.retention.is_some() && tokio::time::Instant::now() >= next_purge {
-                match self.purge().await {
-                    Ok(n) if n > 0 => {
-                        tracing::info!(purged = n, "purged processed messages past retention")
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
-                }
-                next_purge = tokio::time::Instant::now() + cfg.purge_interval;
-            }
             let wait = match lock(&self.inner.transport_state).next_probe {
                 Some(at) => wait.min(at.saturating_duration_since(tokio::time::Instant::now())),
                 None => wait,
@@ -851,6 +869,12 @@ impl Relay {
                 _ = listener.wait(wait) => {}
                 _ = self.inner.poke.notified() => {}
                 _ = shutdown.changed() => {}
+            }
+        }
+        if let Some(purger) = purger {
+            // It stops at the shutdown signal, after the batch in progress.
+            if let Err(e) = purger.await {
+                tracing::error!(error = %e, "purge task ended abnormally");
             }
         }
         self.inner.running.store(false, Ordering::SeqCst);

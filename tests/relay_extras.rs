@@ -229,3 +229,88 @@ async fn a_send_that_never_answers_times_out_uncounted_and_is_sent_again() {
     assert_eq!(transport.sends.load(std::sync::atomic::Ordering::SeqCst), 2);
     handle.shutdown().await;
 }
+
+/// A memory store whose purge waits for a gate: a purge that takes long.
+#[derive(Debug, Clone)]
+struct GatedPurge {
+    inner: MemoryStore,
+    gate: Arc<tokio::sync::Semaphore>,
+    purges_started: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl outbox::Store for GatedPurge {
+    async fn claim(&self, r: &outbox::ClaimRequest) -> outbox::Result<Vec<outbox::Message>> {
+        self.inner.claim(r).await
+    }
+    async fn complete(&self, ids: &[outbox::MessageId], now: Timestamp) -> outbox::Result<()> {
+        self.inner.complete(ids, now).await
+    }
+    async fn fail(&self, f: &outbox::Failure) -> outbox::Result<outbox::FailOutcome> {
+        self.inner.fail(f).await
+    }
+    async fn release(&self, r: &outbox::Release) -> outbox::Result<()> {
+        self.inner.release(r).await
+    }
+    async fn stats(&self) -> outbox::Result<outbox::Stats> {
+        self.inner.stats().await
+    }
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox::Result<u64> {
+        self.purges_started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _permit = self.gate.acquire().await.unwrap();
+        self.inner.purge_processed(before, limit).await
+    }
+    fn listen(&self) -> Box<dyn outbox::WorkListener> {
+        self.inner.listen()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_purge_never_delays_deliveries() {
+    let store = GatedPurge {
+        inner: MemoryStore::new(),
+        gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        purges_started: Default::default(),
+    };
+    let delivered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let d = delivered.clone();
+    let handle = Relay::builder(store.clone())
+        .dispatcher(
+            Handlers::new().on_message("Ok", move |_m: &outbox::Message| {
+                d.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok::<_, std::io::Error>(()) }
+            }),
+        )
+        .retention(Some(Duration::from_millis(1)))
+        .spawn()
+        .unwrap();
+    let started = store.purges_started.clone();
+    outbox::testing::wait_until("the purge is running", Duration::from_secs(20), || {
+        let n = started.load(std::sync::atomic::Ordering::SeqCst);
+        async move { n >= 1 }
+    })
+    .await;
+    let mut tx = store.inner.begin();
+    tx.enqueue(NewMessage::new(MessageKind::Domain, "Ok", b"x".to_vec()))
+        .unwrap();
+    tx.commit().unwrap();
+    outbox::testing::wait_until(
+        "the message is delivered while the purge still runs",
+        Duration::from_secs(20),
+        || {
+            let n = delivered.load(std::sync::atomic::Ordering::SeqCst);
+            async move { n == 1 }
+        },
+    )
+    .await;
+    assert_eq!(
+        store.gate.available_permits(),
+        0,
+        "the purge was still held"
+    );
+    store.gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(20), handle.shutdown())
+        .await
+        .expect("shutdown waits for the purge to finish its batch");
+}

@@ -440,6 +440,158 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
     let rate = sustained * 0.8;
     let (hist, achieved) = latency_loaded(rate, secs, 100).await;
     out.extend(latency_rows(&format!("commit → handled, SQLite, {rate:.0} msg/s offered (80 % of the {sustained:.0} msg/s sustained beside a writer; {achieved:.0} achieved)"), &hist, "—", "—"));
+    out.extend(purge_vs_enqueue(if quick { 20_000 } else { 300_000 }, quick).await);
     out.push(rss_figure(if quick { 100_000 } else { 1_000_000 }));
     out
+}
+
+/// Marks every message of the store processed, `processed_at` at the epoch,
+/// so that any retention purges all of them.
+fn mark_all_processed(store: &SqliteStore) {
+    let conn = app_connection(store.path());
+    conn.execute(
+        &format!(
+            "UPDATE {} SET state = 'processed', processed_at = 0",
+            store.table()
+        ),
+        [],
+    )
+    .unwrap();
+}
+
+/// Business tx + one enqueue every millisecond on the application's own
+/// connection until `stop` is set (and for at least `min`); the latency of
+/// each transaction, BEGIN IMMEDIATE to COMMIT, in µs.
+fn paced_writer(
+    store: &SqliteStore,
+    min: Duration,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<hdrhistogram::Histogram<u64>> {
+    let mut conn = app_connection(store.path());
+    let outbox = store.outbox();
+    std::thread::spawn(move || {
+        let mut hist = histogram();
+        let started = Instant::now();
+        let mut next = started;
+        let mut id = 0;
+        while started.elapsed() < min || !stop.load(Ordering::Acquire) {
+            id += 1;
+            let t = Instant::now();
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .unwrap();
+            tx.execute(
+                "INSERT INTO orders (customer, total) VALUES ('alice', 4200)",
+                [],
+            )
+            .unwrap();
+            outbox.enqueue_rusqlite(&tx, bench_message(id)).unwrap();
+            tx.commit().unwrap();
+            hist.record(t.elapsed().as_micros() as u64).unwrap();
+            next += Duration::from_millis(1);
+            if let Some(wait) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
+        hist
+    })
+}
+
+/// Enqueue latency while the relay's retention purge deletes `n` processed
+/// rows in batches, beside the same writer with no purge running, and
+/// beside one unbatched `DELETE` of the same rows (what PEERS.md warns of).
+async fn purge_vs_enqueue(n: usize, quick: bool) -> Vec<Figure> {
+    use std::sync::atomic::AtomicBool;
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    let calm = Duration::from_secs(if quick { 1 } else { 3 });
+    type Work = std::pin::Pin<Box<dyn std::future::Future<Output = Duration>>>;
+    // The writer runs until `work` is done (or for `calm` without work).
+    let run = |work: Option<Work>| {
+        let stop = Arc::new(AtomicBool::new(false));
+        let writer = paced_writer(&store, Duration::from_millis(200), stop.clone());
+        async move {
+            let took = match work {
+                Some(work) => Some(work.await),
+                None => {
+                    tokio::time::sleep(calm).await;
+                    None
+                }
+            };
+            stop.store(true, Ordering::Release);
+            let hist = tokio::task::spawn_blocking(move || writer.join().unwrap())
+                .await
+                .unwrap();
+            (hist, took)
+        }
+    };
+    // Baseline: the same writer, the processed backlog present, no purge.
+    fill(&store, n);
+    mark_all_processed(&store);
+    let (calm_hist, _) = run(None).await;
+    // The relay's purge, in batches of the default 500.
+    let relay = Relay::builder(store.clone())
+        .dispatcher(Handlers::new())
+        .retention(Some(Duration::from_millis(1)))
+        .build()
+        .unwrap();
+    let purge_batch = relay.config().purge_batch;
+    let (batched, took_batched) = run(Some(Box::pin(async move {
+        let start = Instant::now();
+        let purged = relay.purge().await.unwrap();
+        assert!(purged as usize >= n, "purged {purged} of {n}");
+        start.elapsed()
+    })))
+    .await;
+    // One unbatched DELETE of as many rows.
+    fill(&store, n);
+    mark_all_processed(&store);
+    let path = store.path().to_owned();
+    let table = store.table().to_owned();
+    let (single, took_single) = run(Some(Box::pin(async move {
+        tokio::task::spawn_blocking(move || {
+            let conn = app_connection(&path);
+            let start = Instant::now();
+            conn.execute(
+                &format!("DELETE FROM {table} WHERE state = 'processed' AND processed_at < 1"),
+                [],
+            )
+            .unwrap();
+            start.elapsed()
+        })
+        .await
+        .unwrap()
+    })))
+    .await;
+    let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    let secs = |d: Option<Duration>| d.unwrap_or_default().as_secs_f64();
+    vec![
+        Figure::new(
+            format!(
+                "enqueue tx latency while the relay purges {n} processed rows in batches of {purge_batch} ({:.1} s), p99",
+                secs(took_batched)
+            ),
+            ms(&batched, 0.99),
+            "ms",
+            "not blocked by the purge",
+        )
+        .beside("no purge running, p99", ms(&calm_hist, 0.99)),
+        Figure::new(
+            "… the same, max",
+            ms(&batched, 1.0),
+            "ms",
+            "—",
+        )
+        .beside("no purge running, max", ms(&calm_hist, 1.0)),
+        Figure::new(
+            format!(
+                "enqueue tx latency during one unbatched DELETE of {n} rows ({:.1} s; for contrast), max",
+                secs(took_single)
+            ),
+            ms(&single, 1.0),
+            "ms",
+            "—",
+        )
+        .beside("no purge running, max", ms(&calm_hist, 1.0)),
+    ]
 }
