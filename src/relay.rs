@@ -749,22 +749,14 @@ impl Relay {
             return Ok(0);
         };
         let before = self.now().sub(retention);
-        let batch = self.inner.config.purge_batch;
-        let mut total = 0;
-        loop {
-            let started = tokio::time::Instant::now();
-            let n = self.inner.store.purge_processed(before, batch).await?;
-            total += n;
-            if (n as usize) < batch || self.stopping() {
-                return Ok(total);
-            }
-            // Rest between batches, four times as long as the batch held the
-            // store (at least 1 ms): writers waiting for the database get in
-            // instead of sleeping in their busy handler while batch after
-            // batch goes by (measured by the bench: enqueue p99 19 ms and a
-            // 105 ms stall while 300k rows were purged back to back).
-            tokio::time::sleep((started.elapsed() * 4).max(Duration::from_millis(1))).await;
-        }
+        let store = &self.inner.store;
+        // Batches with rests between them: see `outbox_api::purge`.
+        outbox_api::purge::purge_in_batches(
+            self.inner.config.purge_batch,
+            || self.stopping(),
+            |limit| store.purge_processed(before, limit),
+        )
+        .await
     }
 
     /// Purges past retention every `purge_interval` until shutdown; runs

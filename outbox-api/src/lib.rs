@@ -13,6 +13,7 @@ mod enqueue;
 mod error;
 mod health;
 mod message;
+pub mod purge;
 mod retry;
 mod store;
 pub mod trace;

@@ -123,7 +123,8 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Delete processed messages older than a retention, in batches of 500.
+    /// Delete processed messages older than a retention, in batches of 500
+    /// that rest between them so that the application's writers get in.
     Purge {
         /// How long processed messages are kept: e.g. 30m, 12h, 7d (units s, m, h, d).
         #[arg(
@@ -631,14 +632,13 @@ async fn discard(
 
 async fn purge(store: &SqliteStore, older_than: Duration, json: bool) -> Result<Output, CliError> {
     let before = Timestamp::now().sub(older_than);
-    let mut purged: u64 = 0;
-    loop {
-        let n = store.purge_processed(before, PURGE_BATCH).await?;
-        purged += n;
-        if n < PURGE_BATCH as u64 {
-            break;
-        }
-    }
+    // Batches that rest between them, so the application's writers get in.
+    let purged = outbox_api::purge::purge_in_batches(
+        PURGE_BATCH,
+        || false,
+        |limit| store.purge_processed(before, limit),
+    )
+    .await?;
     if json {
         return Ok(Output::ok(to_json(&json!({
             "action": "purge",

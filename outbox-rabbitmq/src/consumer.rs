@@ -276,6 +276,8 @@ impl RabbitConsumer {
             max_attempts: RabbitConsumerBuilder::DEFAULT_MAX_ATTEMPTS,
             retry_delay: RabbitConsumerBuilder::DEFAULT_RETRY_DELAY,
             handler_timeout: RabbitConsumerBuilder::DEFAULT_HANDLER_TIMEOUT,
+            inbox_retention: Some(RabbitConsumerBuilder::DEFAULT_INBOX_RETENTION),
+            inbox_purge_interval: RabbitConsumerBuilder::DEFAULT_INBOX_PURGE_INTERVAL,
         }
     }
 }
@@ -291,9 +293,18 @@ pub struct RabbitConsumerBuilder {
     max_attempts: u32,
     retry_delay: Duration,
     handler_timeout: Duration,
+    inbox_retention: Option<Duration>,
+    inbox_purge_interval: Duration,
 }
 
 impl RabbitConsumerBuilder {
+    /// Default [`inbox_retention`](Self::inbox_retention): 7 days.
+    pub const DEFAULT_INBOX_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default [`inbox_purge_interval`](Self::inbox_purge_interval): 1 min.
+    pub const DEFAULT_INBOX_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+    /// Inbox entries deleted per purge statement.
+    pub const INBOX_PURGE_BATCH: usize = 500;
+
     /// Default [`prefetch`](Self::prefetch): 32.
     pub const DEFAULT_PREFETCH: u16 = 32;
     /// Default [`max_attempts`](Self::max_attempts): 3.
@@ -334,6 +345,25 @@ impl RabbitConsumerBuilder {
     /// Longest a handler may run before it counts as failed (default 30 s).
     pub fn handler_timeout(mut self, timeout: Duration) -> Self {
         self.handler_timeout = timeout;
+        self
+    }
+
+    /// How long inbox entries are kept (default 7 days; `None` keeps them
+    /// forever). An entry must outlive every redelivery of its message —
+    /// the sender's lease and retries, and an operator's retry of a
+    /// poisoned message — or a late duplicate runs the handler again. The
+    /// consumer purges older entries every
+    /// [`inbox_purge_interval`](Self::inbox_purge_interval), in batches of
+    /// [`INBOX_PURGE_BATCH`](Self::INBOX_PURGE_BATCH) that rest between
+    /// them, beside its deliveries.
+    pub fn inbox_retention(mut self, retention: Option<Duration>) -> Self {
+        self.inbox_retention = retention;
+        self
+    }
+
+    /// How often the inbox purge runs (default 1 min).
+    pub fn inbox_purge_interval(mut self, interval: Duration) -> Self {
+        self.inbox_purge_interval = interval;
         self
     }
 
@@ -385,6 +415,18 @@ impl RabbitConsumerBuilder {
                 "must be greater than zero",
             ));
         }
+        if self.inbox_retention.is_some_and(|r| r.is_zero()) {
+            return Err(Error::config(
+                "inbox_retention",
+                "must be greater than zero (None keeps entries forever)",
+            ));
+        }
+        if self.inbox_purge_interval.is_zero() {
+            return Err(Error::config(
+                "inbox_purge_interval",
+                "must be greater than zero",
+            ));
+        }
         Ok(())
     }
 
@@ -432,10 +474,20 @@ impl RabbitConsumerBuilder {
             "consuming from RabbitMQ"
         );
         let (tx, rx) = watch::channel(false);
+        let purger = worker.settings.inbox_retention.map(|retention| {
+            tokio::spawn(purge_inbox_loop(
+                worker.outbox.clone(),
+                worker.pool.clone(),
+                retention,
+                worker.settings.inbox_purge_interval,
+                rx.clone(),
+            ))
+        });
         let task = tokio::spawn(worker.run(session, rx));
         Ok(ConsumerHandle {
             shutdown: tx,
             task: Mutex::new(Some(task)),
+            purger: Mutex::new(purger),
             shared,
         })
     }
@@ -493,7 +545,41 @@ struct Shared {
 pub struct ConsumerHandle {
     shutdown: watch::Sender<bool>,
     task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    purger: Mutex<Option<tokio::task::JoinHandle<()>>>,
     shared: Arc<Shared>,
+}
+
+/// Deletes inbox entries older than `retention` every `interval`, in
+/// batches that rest between them, until shutdown.
+async fn purge_inbox_loop(
+    outbox: SqliteOutbox,
+    pool: SqlitePool,
+    retention: Duration,
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    while !*shutdown.borrow() {
+        let before = outbox_api::Timestamp::now().sub(retention);
+        let stop = shutdown.clone();
+        let purged = outbox_api::purge::purge_in_batches(
+            RabbitConsumerBuilder::INBOX_PURGE_BATCH,
+            || *stop.borrow(),
+            |limit| outbox.purge_inbox(&pool, before, limit),
+        )
+        .await;
+        match purged {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(purged = n, table = %outbox.inbox_table(), "purged inbox entries past retention")
+            }
+            Err(e) => tracing::warn!(error = %e, "inbox purge failed; will retry"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            // The handle is gone (dropped without shutdown): stop too.
+            changed = shutdown.changed() => if changed.is_err() { return },
+        }
+    }
 }
 
 impl ConsumerHandle {
@@ -507,6 +593,12 @@ impl ConsumerHandle {
         if let Some(task) = task {
             if let Err(e) = task.await {
                 tracing::error!(error = %e, "consumer task ended abnormally");
+            }
+        }
+        let purger = self.purger.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(purger) = purger {
+            if let Err(e) = purger.await {
+                tracing::error!(error = %e, "inbox purge task ended abnormally");
             }
         }
         self.shared.running.store(false, Ordering::SeqCst);

@@ -222,3 +222,71 @@ async fn shutdown_finishes_the_delivery_in_flight_and_returns_the_rest() {
     .await;
     queue.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inbox_entries_past_retention_are_purged_while_consuming() {
+    let queue = Queue::new().await;
+    let db = database().await;
+    let outbox = db.sqlite().outbox();
+    let inbox = outbox.inbox_table().to_owned();
+    let handler = handler_fn(
+        |_msg: &Received, _tx: &mut SqliteConnection| -> HandlerFuture<'_> {
+            Box::pin(async { Ok(()) })
+        },
+    );
+    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+        .inbox_retention(Some(Duration::from_secs(2)))
+        .inbox_purge_interval(Duration::from_millis(20))
+        .spawn(outbox, db.pool().clone(), handler)
+        .await
+        .expect("start the consumer");
+    let count = || {
+        let (pool, inbox) = (db.pool().clone(), inbox.clone());
+        async move {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                "SELECT COUNT(*) FROM {inbox}"
+            )))
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    for _ in 0..3 {
+        queue.publish(MessageId::new()).await;
+    }
+    wait_until("three handled", DEADLINE, || {
+        let n = consumer.stats().handled;
+        async move { n == 3 }
+    })
+    .await;
+    assert!(count().await > 0, "entries are kept while within retention");
+    wait_until("the inbox is purged past retention", DEADLINE, || {
+        let c = count();
+        async move { c.await == 0 }
+    })
+    .await;
+    assert!(consumer.is_running(), "the purge runs beside the consumer");
+    consumer.shutdown().await;
+    queue.cleanup().await;
+}
+
+#[tokio::test]
+async fn inbox_retention_settings_are_checked() {
+    let zero = RabbitConsumer::builder("amqp://guest:secret@127.0.0.1:5672/%2f", "q")
+        .inbox_retention(Some(Duration::ZERO))
+        .validate()
+        .unwrap_err();
+    assert!(zero.to_string().contains("inbox_retention"), "{zero}");
+    let interval = RabbitConsumer::builder("amqp://guest:secret@127.0.0.1:5672/%2f", "q")
+        .inbox_purge_interval(Duration::ZERO)
+        .validate()
+        .unwrap_err();
+    assert!(
+        interval.to_string().contains("inbox_purge_interval"),
+        "{interval}"
+    );
+    RabbitConsumer::builder("amqp://guest:secret@127.0.0.1:5672/%2f", "q")
+        .inbox_retention(None)
+        .validate()
+        .expect("None keeps entries forever");
+}
