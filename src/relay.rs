@@ -784,7 +784,7 @@ impl Relay {
         let mut reasons = Vec::new();
         let running = self.inner.running.load(Ordering::SeqCst);
         let transport = lock(&self.inner.transport_state).health.clone();
-        let (pending, poisoned, oldest) = match self.inner.store.stats().await {
+        let (pending, poisoned, oldest) = match self.inner.store.backlog().await {
             Ok(s) => (
                 s.pending,
                 s.poisoned,

@@ -441,6 +441,7 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
     let (hist, achieved) = latency_loaded(rate, secs, 100).await;
     out.extend(latency_rows(&format!("commit → handled, SQLite, {rate:.0} msg/s offered (80 % of the {sustained:.0} msg/s sustained beside a writer; {achieved:.0} achieved)"), &hist, "—", "—"));
     out.extend(purge_vs_enqueue(if quick { 20_000 } else { 300_000 }, quick).await);
+    out.extend(health_check_cost(if quick { 50_000 } else { 1_000_000 }).await);
     out.push(rss_figure(if quick { 100_000 } else { 1_000_000 }));
     out
 }
@@ -593,5 +594,43 @@ async fn purge_vs_enqueue(n: usize, quick: bool) -> Vec<Figure> {
             "—",
         )
         .beside("no purge running, max", ms(&calm_hist, 1.0)),
+    ]
+}
+
+/// What a health check costs beside a long processed history: the relay's
+/// `backlog()` (pending and poisoned counts, oldest pending) against the
+/// full `stats()`, which also counts the processed rows, on a table with
+/// `history` processed and 1 000 pending messages. Median of 5.
+async fn health_check_cost(history: usize) -> Vec<Figure> {
+    use outbox::Store;
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    fill(&store, history);
+    mark_all_processed(&store);
+    fill(&store, 1_000);
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (mut backlog, mut stats) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        let b = store.backlog().await.unwrap();
+        backlog.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = Instant::now();
+        let s = store.stats().await.unwrap();
+        stats.push(t.elapsed().as_secs_f64() * 1e3);
+        assert_eq!((b.pending, s.processed as usize), (1_000, history));
+    }
+    vec![
+        Figure::new(
+            format!(
+                "health check (backlog: pending, poisoned, oldest) beside {history} processed rows"
+            ),
+            median(backlog),
+            "ms",
+            "proportional to the backlog, not the history",
+        )
+        .beside("full stats (also counts processed)", median(stats)),
     ]
 }

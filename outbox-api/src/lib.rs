@@ -35,7 +35,8 @@ pub use message::{
 };
 pub use retry::RetryPolicy;
 pub use store::{
-    ClaimRequest, Clock, FailOutcome, Failure, ListQuery, ManualClock, OperatorStore, Release,
-    Stats, Store, SystemClock, TokioClock, Wakeup, WakeupListener, WorkListener, audit_note,
+    Backlog, ClaimRequest, Clock, FailOutcome, Failure, ListQuery, ManualClock, OperatorStore,
+    Release, Stats, Store, SystemClock, TokioClock, Wakeup, WakeupListener, WorkListener,
+    audit_note,
 };
 pub use transport::{Outcome, Transport};

@@ -87,6 +87,28 @@ pub struct Stats {
     pub oldest_pending_created_at: Option<Timestamp>,
 }
 
+/// What health needs to know about an outbox table: the work waiting and
+/// how old it is — never the processed history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Backlog {
+    /// Messages waiting for delivery (including leased and delayed ones).
+    pub pending: u64,
+    /// Messages waiting for a human.
+    pub poisoned: u64,
+    /// `created_at` of the oldest pending message.
+    pub oldest_pending_created_at: Option<Timestamp>,
+}
+
+impl From<Stats> for Backlog {
+    fn from(s: Stats) -> Self {
+        Backlog {
+            pending: s.pending,
+            poisoned: s.poisoned,
+            oldest_pending_created_at: s.oldest_pending_created_at,
+        }
+    }
+}
+
 /// The relay's view of one outbox table.
 ///
 /// # Contract
@@ -130,6 +152,16 @@ pub trait Store: Send + Sync + Debug + 'static {
 
     /// Counts by state and the age of the oldest pending message.
     async fn stats(&self) -> Result<Stats>;
+
+    /// The pending and poisoned counts and the oldest pending message,
+    /// equal to those of [`stats`](Store::stats). Health checks call it
+    /// every few seconds, so it must cost in proportion to the backlog, not
+    /// to the processed history (which a week's retention can make millions
+    /// of rows). The default takes it from `stats`; a backend whose
+    /// processed count is costly overrides it.
+    async fn backlog(&self) -> Result<Backlog> {
+        Ok(self.stats().await?.into())
+    }
 
     /// Deletes at most `limit` processed messages with `processed_at < before`;
     /// returns how many it deleted.

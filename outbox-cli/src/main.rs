@@ -505,7 +505,7 @@ async fn retry(store: &SqliteStore, args: &RetryArgs, json: bool) -> Result<Outp
             vec![m]
         }
         None => {
-            let poisoned = store.stats().await?.poisoned;
+            let poisoned = store.backlog().await?.poisoned;
             if poisoned == 0 {
                 Vec::new()
             } else {
@@ -671,7 +671,8 @@ fn unhealthy(json: bool, reason: String) -> Output {
 
 async fn health(path: &std::path::Path, table: &str, alert: Duration, json: bool) -> Output {
     let stats = match db::open(path, table).await {
-        Ok(store) => store.stats().await.map_err(CliError::from),
+        // The backlog only: a probe must not count the processed history.
+        Ok(store) => store.backlog().await.map_err(CliError::from),
         Err(e) => Err(e),
     };
     let stats = match stats {
@@ -706,7 +707,6 @@ async fn health(path: &std::path::Path, table: &str, alert: Duration, json: bool
             "reasons": reasons,
             "pending": stats.pending,
             "poisoned": stats.poisoned,
-            "processed": stats.processed,
             "oldest_pending_age_seconds": age.map(|a| a.as_secs_f64()),
             "backlog_alert_seconds": alert.as_secs(),
         }))
@@ -716,10 +716,9 @@ async fn health(path: &std::path::Path, table: &str, alert: Duration, json: bool
             s.push_str(&format!("  - {r}\n"));
         }
         s.push_str(&format!(
-            "  pending {}, poisoned {}, processed {}, oldest pending {}\n",
+            "  pending {}, poisoned {}, oldest pending {}\n",
             stats.pending,
             stats.poisoned,
-            stats.processed,
             age.map_or_else(|| "-".to_owned(), |a| format!("{} old", format_age(a)))
         ));
         s

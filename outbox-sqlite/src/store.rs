@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_api::{
-    ClaimRequest, Clock, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message, MessageId,
-    MessageState, OperatorStore, Release, Result, Stats, Store, SystemClock, Timestamp,
+    Backlog, ClaimRequest, Clock, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message,
+    MessageId, MessageState, OperatorStore, Release, Result, Stats, Store, SystemClock, Timestamp,
     WorkListener, audit_note,
 };
-use rusqlite::{Connection, OpenFlags, TransactionBehavior, params};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 
 use crate::error::from_rusqlite;
 use crate::listener::{Signals, SqliteListener};
@@ -294,6 +294,31 @@ fn to_i64(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
+/// Rows in `state`, counted over that state's partial index.
+fn count_state(conn: &Connection, t: &str, state: &str) -> rusqlite::Result<u64> {
+    let n: i64 = conn
+        .prepare_cached(&format!("SELECT COUNT(*) FROM {t} WHERE state = '{state}'"))?
+        .query_row([], |r| r.get(0))?;
+    Ok(n as u64)
+}
+
+/// Pending and poisoned counts (their partial indexes) and the oldest
+/// pending message: the first in commit (`seq`) order, one index step —
+/// not a scan of every pending row's `created_at`.
+fn backlog_of(conn: &Connection, t: &str) -> rusqlite::Result<Backlog> {
+    let oldest: Option<i64> = conn
+        .prepare_cached(&format!(
+            "SELECT created_at FROM {t} WHERE state = 'pending' ORDER BY seq LIMIT 1"
+        ))?
+        .query_row([], |r| r.get(0))
+        .optional()?;
+    Ok(Backlog {
+        pending: count_state(conn, t, "pending")?,
+        poisoned: count_state(conn, t, "poisoned")?,
+        oldest_pending_created_at: oldest.map(Timestamp::from_millis),
+    })
+}
+
 fn claim_blocking(
     conn: &mut Connection,
     sql: &Sql,
@@ -415,31 +440,26 @@ impl Store for SqliteStore {
 
     async fn stats(&self) -> Result<Stats> {
         self.run("reading stats", |conn, sql| {
-            let t = &sql.outbox;
             let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
-            let count = |state: &str| -> rusqlite::Result<u64> {
-                let n: i64 = tx.query_row(
-                    &format!("SELECT COUNT(*) FROM {t} WHERE state = '{state}'"),
-                    [],
-                    |r| r.get(0),
-                )?;
-                Ok(n as u64)
-            };
-            let pending = count("pending")?;
-            let poisoned = count("poisoned")?;
-            let processed = count("processed")?;
-            let oldest: Option<i64> = tx.query_row(
-                &format!("SELECT MIN(created_at) FROM {t} WHERE state = 'pending'"),
-                [],
-                |r| r.get(0),
-            )?;
+            let backlog = backlog_of(&tx, &sql.outbox)?;
+            let processed = count_state(&tx, &sql.outbox, "processed")?;
             tx.commit()?;
             Ok(Stats {
-                pending,
-                poisoned,
+                pending: backlog.pending,
+                poisoned: backlog.poisoned,
                 processed,
-                oldest_pending_created_at: oldest.map(Timestamp::from_millis),
+                oldest_pending_created_at: backlog.oldest_pending_created_at,
             })
+        })
+        .await
+    }
+
+    async fn backlog(&self) -> Result<Backlog> {
+        self.run("reading the backlog", |conn, sql| {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;
+            let backlog = backlog_of(&tx, &sql.outbox)?;
+            tx.commit()?;
+            Ok(backlog)
         })
         .await
     }

@@ -464,6 +464,16 @@ pub async fn stats_count_states(s: &dyn StoreUnderTest) {
         st.oldest_pending_created_at,
         Some(get(s, k[2]).await.created_at)
     );
+    assert_eq!(
+        s.store().backlog().await.unwrap(),
+        crate::Backlog::from(st),
+        "the backlog agrees with the stats"
+    );
+    assert_eq!(
+        crate::Backlog::from(empty),
+        crate::Backlog::default(),
+        "an empty table has no backlog"
+    );
 }
 
 /// Purge deletes processed messages older than the cut-off, at most `limit` a call.
