@@ -31,6 +31,10 @@ pub enum Outcome {
 ///   most one message per ordering key in a batch).
 /// * After an `Unavailable`, the transport recovers by itself (reconnect with
 ///   backoff); [`probe`](Transport::probe) tells the relay when it is back.
+/// * A send should end within the transport's own timeouts. The relay drops
+///   one that outlives its `handler_timeout` and counts its messages as
+///   unavailable (they are sent again); a dropped send must leave the
+///   transport usable.
 #[async_trait]
 pub trait Transport: Send + Sync + Debug + 'static {
     /// Sends a batch; one outcome per message, same order.

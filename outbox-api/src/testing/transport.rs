@@ -31,7 +31,8 @@ macro_rules! transport_conformance_tests {
     ($factory:expr) => {
         $crate::transport_conformance_tests!(@each $factory;
             delivers_batch_in_order, rejected_affects_only_that_message,
-            unavailable_while_broken_then_recovers, empty_batch_is_fine);
+            unavailable_while_broken_then_recovers, empty_batch_is_fine,
+            a_cancelled_send_leaves_it_usable);
     };
     (@each $factory:expr; $($name:ident),* $(,)?) => {
         $(
@@ -122,4 +123,30 @@ pub async fn unavailable_while_broken_then_recovers(t: &dyn TransportUnderTest) 
 /// An empty batch returns no outcomes.
 pub async fn empty_batch_is_fine(t: &dyn TransportUnderTest) {
     assert!(t.transport().send(&[]).await.is_empty());
+}
+
+/// The relay drops a send that outlives its `handler_timeout`. Dropped at
+/// any point — before, during or after publishing — it leaves the transport
+/// usable: the next send delivers, in order.
+pub async fn a_cancelled_send_leaves_it_usable(t: &dyn TransportUnderTest) {
+    let big: Vec<Message> = (0..200).map(|n| t.deliverable(n)).collect();
+    for cut in [
+        Duration::ZERO,
+        Duration::from_micros(100),
+        Duration::from_millis(1),
+        Duration::from_millis(5),
+    ] {
+        let _ = tokio::time::timeout(cut, t.transport().send(&big)).await;
+    }
+    let next: Vec<Message> = (1000..1005).map(|n| t.deliverable(n)).collect();
+    assert_eq!(
+        t.transport().send(&next).await,
+        vec![Outcome::Delivered; 5],
+        "the first send after the cancelled ones"
+    );
+    let ids: Vec<MessageId> = next.iter().map(|m| m.id).collect();
+    wait_received(t, &ids).await;
+    let got = t.received().await;
+    let order: Vec<MessageId> = got.into_iter().filter(|id| ids.contains(id)).collect();
+    assert_eq!(order, ids, "arrival order");
 }
