@@ -338,9 +338,10 @@ impl Relay {
                     .iter()
                     .any(|m| m.kind == MessageKind::Integration);
             let (report, prefetched) = if claim_ahead {
-                let (report, prefetched) = tokio::join!(self.deliver_batch(batch), self.claim());
+                let (report, prefetched) =
+                    tokio::join!(self.deliver_batch(batch, false), self.claim());
                 match (report, prefetched) {
-                    (Ok(report), Ok(prefetched)) => (report, Some(prefetched)),
+                    (Ok((report, _)), Ok(prefetched)) => (report, Some(prefetched)),
                     (Err(e), Ok(prefetched)) => {
                         self.release_unattempted(&prefetched.messages).await.ok();
                         return Err(e);
@@ -348,7 +349,8 @@ impl Relay {
                     (_, Err(e)) => return Err(e),
                 }
             } else {
-                (self.deliver_batch(batch).await?, None)
+                // The next claim rides with this batch's completion.
+                self.deliver_batch(batch, true).await?
             };
             total.add(report);
             // An empty prefetch proves nothing: this batch's completion may
@@ -367,32 +369,30 @@ impl Relay {
         if claimed == 0 {
             return Ok((DrainReport::default(), 0));
         }
-        let report = self.deliver_batch(batch).await?;
+        let (report, _) = self.deliver_batch(batch, false).await?;
         Ok((report, claimed))
+    }
+
+    /// The claim this relay would make at `now`, if it can deliver anything.
+    fn claim_request(&self, now: Timestamp) -> Option<ClaimRequest> {
+        let cfg = &self.inner.config;
+        self.claimable_kinds().map(|kind| ClaimRequest {
+            worker: cfg.worker_id.clone(),
+            limit: cfg.batch_size,
+            lease: cfg.lease,
+            now,
+            kind,
+        })
     }
 
     /// Claims up to a batch of what this relay can deliver right now.
     async fn claim(&self) -> Result<Claimed> {
         let now = self.now();
-        let cfg = &self.inner.config;
-        let lease_until = now.add(cfg.lease);
-        let Some(kind) = self.claimable_kinds() else {
-            return Ok(Claimed {
-                messages: Vec::new(),
-                lease_until,
-            });
+        let lease_until = now.add(self.inner.config.lease);
+        let messages = match self.claim_request(now) {
+            Some(request) => self.inner.store.claim(&request).await?,
+            None => Vec::new(),
         };
-        let messages = self
-            .inner
-            .store
-            .claim(&ClaimRequest {
-                worker: cfg.worker_id.clone(),
-                limit: cfg.batch_size,
-                lease: cfg.lease,
-                now,
-                kind,
-            })
-            .await?;
         Ok(Claimed {
             messages,
             lease_until,
@@ -439,7 +439,15 @@ impl Relay {
         waves
     }
 
-    async fn deliver_batch(&self, batch: Claimed) -> Result<DrainReport> {
+    /// Delivers a claimed batch and records what became of each message.
+    /// With `then_claim`, and when nothing has to be given back, the next
+    /// batch is claimed together with this one's completion
+    /// ([`Store::complete_and_claim`]) and returned.
+    async fn deliver_batch(
+        &self,
+        batch: Claimed,
+        then_claim: bool,
+    ) -> Result<(DrainReport, Option<Claimed>)> {
         let Claimed {
             messages: batch,
             lease_until,
@@ -498,8 +506,25 @@ impl Relay {
             }
         }
         let now = self.now();
+        let mut next = None;
         if !done.is_empty() {
-            self.inner.store.complete(&done, now).await?;
+            let fused = (then_claim && to_release.is_empty() && !self.stopping())
+                .then(|| self.claim_request(now))
+                .flatten();
+            match fused {
+                Some(request) => {
+                    let messages = self
+                        .inner
+                        .store
+                        .complete_and_claim(&done, now, &request)
+                        .await?;
+                    next = Some(Claimed {
+                        messages,
+                        lease_until: now.add(request.lease),
+                    });
+                }
+                None => self.inner.store.complete(&done, now).await?,
+            }
             report.delivered = done.len() as u64;
         }
         if !to_release.is_empty() {
@@ -524,7 +549,7 @@ impl Relay {
         c.failed.fetch_add(report.failed, Ordering::Relaxed);
         c.poisoned.fetch_add(report.poisoned, Ordering::Relaxed);
         c.released.fetch_add(report.released, Ordering::Relaxed);
-        Ok(report)
+        Ok((report, next))
     }
 
     async fn record_failure(

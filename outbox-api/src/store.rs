@@ -150,6 +150,22 @@ pub trait Store: Send + Sync + Debug + 'static {
     /// Releases leases without counting an attempt.
     async fn release(&self, release: &Release) -> Result<()>;
 
+    /// Marks `done` processed and then claims, exactly as
+    /// [`complete`](Store::complete) followed by [`claim`](Store::claim)
+    /// would (so the claim sees the completions: a completed message's key
+    /// successors are claimable). The relay calls it between batches; a
+    /// backend may do both in one round trip and one transaction. The
+    /// default makes the two calls.
+    async fn complete_and_claim(
+        &self,
+        done: &[MessageId],
+        now: Timestamp,
+        next: &ClaimRequest,
+    ) -> Result<Vec<Message>> {
+        self.complete(done, now).await?;
+        self.claim(next).await
+    }
+
     /// Counts by state and the age of the oldest pending message.
     async fn stats(&self) -> Result<Stats>;
 

@@ -45,7 +45,8 @@ macro_rules! store_conformance_tests {
             release_does_not_count, same_key_waits_for_predecessor, poison_parks_only_its_key,
             claim_filters_by_kind, stats_count_states, purge_removes_old_processed_in_batches,
             operator_list_get_retry_discard, commit_wakes_listener,
-            concurrent_claims_never_overlap, message_fields_round_trip, duplicate_id_is_refused);
+            concurrent_claims_never_overlap, message_fields_round_trip, duplicate_id_is_refused,
+            complete_and_claim_completes_first);
     };
     (@each $factory:expr; $($name:ident),* $(,)?) => {
         $(
@@ -662,4 +663,42 @@ pub async fn duplicate_id_is_refused(s: &dyn StoreUnderTest) {
         "the failed transaction wrote nothing"
     );
     assert_eq!(get(s, id).await.payload, b"1");
+}
+
+/// `complete_and_claim` completes, then claims: the claim sees the
+/// completions (a completed message's key successor is claimable), leases
+/// what it returns, and leaves the completed messages processed.
+pub async fn complete_and_claim_completes_first(s: &dyn StoreUnderTest) {
+    let k = s
+        .enqueue(vec![
+            domain(1).key("k"),
+            domain(2).key("k"),
+            domain(3).key("k"),
+            domain(4),
+        ])
+        .await;
+    let now = t0().add(Duration::from_secs(1));
+    let first = s.store().claim(&req("w", 1, now)).await.unwrap();
+    assert_eq!(ids(&first), k[..1]);
+    let next = s
+        .store()
+        .complete_and_claim(&k[..1], now, &req("w", 2, now))
+        .await
+        .unwrap();
+    assert_eq!(ids(&next), k[1..3], "the key's successors, in order");
+    assert_eq!(get(s, k[0]).await.state, MessageState::Processed);
+    for m in &next {
+        let stored = get(s, m.id).await;
+        assert_eq!(
+            stored.locked_by.as_deref(),
+            Some("w"),
+            "leased by the claim"
+        );
+    }
+    let rest = s
+        .store()
+        .complete_and_claim(&k[1..3], now, &req("other", 10, now))
+        .await
+        .unwrap();
+    assert_eq!(ids(&rest), k[3..], "only what is left");
 }
