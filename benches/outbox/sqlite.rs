@@ -425,7 +425,10 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
                 "msg/s",
                 "≥ 0.5 × bare and ≥ 100k msg/s",
             )
-            .beside("bare rusqlite loop, same claim + complete SQL and transactions", bare),
+            .beside(
+                "bare rusqlite loop, same claim + complete SQL and transactions",
+                bare,
+            ),
         );
     }
     let hist = latency_light(if quick { 300 } else { 3000 }, Duration::from_millis(2)).await;
