@@ -513,15 +513,26 @@ impl Relay {
                 .flatten();
             match fused {
                 Some(request) => {
-                    let messages = self
+                    match self
                         .inner
                         .store
                         .complete_and_claim(&done, now, &request)
-                        .await?;
-                    next = Some(Claimed {
-                        messages,
-                        lease_until: now.add(request.lease),
-                    });
+                        .await
+                    {
+                        Ok(messages) => {
+                            next = Some(Claimed {
+                                messages,
+                                lease_until: now.add(request.lease),
+                            })
+                        }
+                        // The claim may have taken the completion down with
+                        // it (one transaction): complete on its own, so the
+                        // delivered messages are not delivered again.
+                        Err(e) => {
+                            tracing::warn!(error = %e, "completing with the next claim failed; completing alone");
+                            self.inner.store.complete(&done, now).await?;
+                        }
+                    }
                 }
                 None => self.inner.store.complete(&done, now).await?,
             }

@@ -314,3 +314,73 @@ async fn a_long_purge_never_delays_deliveries() {
         .await
         .expect("shutdown waits for the purge to finish its batch");
 }
+
+/// A memory store whose combined complete-and-claim always fails (say, the
+/// claim hits a lock), while a plain completion works.
+#[derive(Debug, Clone)]
+struct FusedClaimFails(MemoryStore);
+
+#[async_trait::async_trait]
+impl outbox::Store for FusedClaimFails {
+    async fn claim(&self, r: &outbox::ClaimRequest) -> outbox::Result<Vec<outbox::Message>> {
+        self.0.claim(r).await
+    }
+    async fn complete(&self, ids: &[outbox::MessageId], now: Timestamp) -> outbox::Result<()> {
+        self.0.complete(ids, now).await
+    }
+    async fn complete_and_claim(
+        &self,
+        _done: &[outbox::MessageId],
+        _now: Timestamp,
+        _next: &outbox::ClaimRequest,
+    ) -> outbox::Result<Vec<outbox::Message>> {
+        Err(outbox::Error::backend("the claim could not take the lock"))
+    }
+    async fn fail(&self, f: &outbox::Failure) -> outbox::Result<outbox::FailOutcome> {
+        self.0.fail(f).await
+    }
+    async fn release(&self, r: &outbox::Release) -> outbox::Result<()> {
+        self.0.release(r).await
+    }
+    async fn stats(&self) -> outbox::Result<outbox::Stats> {
+        self.0.stats().await
+    }
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox::Result<u64> {
+        self.0.purge_processed(before, limit).await
+    }
+}
+
+#[tokio::test]
+async fn delivered_messages_are_completed_even_when_the_next_claim_fails() {
+    let store = MemoryStore::new();
+    let mut tx = store.begin();
+    let ids: Vec<_> = (0..3)
+        .map(|n| {
+            tx.enqueue(NewMessage::new(MessageKind::Domain, "Ok", vec![n]))
+                .unwrap()
+        })
+        .collect();
+    tx.commit().unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let c = calls.clone();
+    let relay = Relay::builder(FusedClaimFails(store.clone()))
+        .dispatcher(
+            Handlers::new().on_message("Ok", move |_m: &outbox::Message| {
+                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                async { Ok::<_, std::io::Error>(()) }
+            }),
+        )
+        .build()
+        .unwrap();
+    let report = relay.drain().await.expect("the drain goes on");
+    assert_eq!(report.delivered, 3);
+    for id in ids {
+        let m = store.get(id).await.unwrap().unwrap();
+        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0));
+    }
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "each handled once"
+    );
+}
