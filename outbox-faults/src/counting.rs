@@ -4,7 +4,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use outbox_api::{
-    ClaimRequest, FailOutcome, Failure, Message, MessageId, Release, Result, Stats, Store,
+    Backlog, ClaimRequest, FailOutcome, Failure, Message, MessageId, Release, Result, Stats, Store,
     Timestamp, WorkListener,
 };
 
@@ -68,8 +68,24 @@ impl<S: Store> Store for CountingStore<S> {
         self.note("release", self.inner.release(release).await)
     }
 
+    async fn complete_and_claim(
+        &self,
+        done: &[MessageId],
+        now: Timestamp,
+        next: &ClaimRequest,
+    ) -> Result<Vec<Message>> {
+        self.note(
+            "complete_and_claim",
+            self.inner.complete_and_claim(done, now, next).await,
+        )
+    }
+
     async fn stats(&self) -> Result<Stats> {
         self.note("stats", self.inner.stats().await)
+    }
+
+    async fn backlog(&self) -> Result<Backlog> {
+        self.note("backlog", self.inner.backlog().await)
     }
 
     async fn purge_processed(&self, before: Timestamp, limit: usize) -> Result<u64> {
