@@ -56,6 +56,28 @@ pub fn fill(store: &SqliteStore, n: usize) {
     fill_with(store, n, bench_message);
 }
 
+/// The application's business transaction: one order row and, with
+/// `enqueue`, the `n`-th bench message, committed on `conn`.
+fn business_tx(
+    conn: &mut rusqlite::Connection,
+    outbox: &outbox_sqlite::SqliteOutbox,
+    n: usize,
+    enqueue: bool,
+) {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .unwrap();
+    tx.execute(
+        "INSERT INTO orders (customer, total) VALUES ('alice', 4200)",
+        [],
+    )
+    .unwrap();
+    if enqueue {
+        outbox.enqueue_rusqlite(&tx, bench_message(n)).unwrap();
+    }
+    tx.commit().unwrap();
+}
+
 /// Business transaction (one order row) with and without one enqueue, via
 /// rusqlite, alternating blocks so that both see the same machine.
 fn enqueue_overhead_rusqlite(store: &SqliteStore, iterations: usize) -> (f64, f64) {
@@ -63,26 +85,13 @@ fn enqueue_overhead_rusqlite(store: &SqliteStore, iterations: usize) -> (f64, f6
     let outbox = store.outbox();
     let (mut plain, mut with) = (Duration::ZERO, Duration::ZERO);
     let block = 100;
-    let mut id = 0i64;
+    let mut n = 0;
     for round in 0..iterations / block {
         for enqueue in [round % 2 == 0, round % 2 != 0] {
             let start = Instant::now();
             for _ in 0..block {
-                id += 1;
-                let tx = conn
-                    .transaction_with_behavior(TransactionBehavior::Immediate)
-                    .unwrap();
-                tx.execute(
-                    "INSERT INTO orders (id, customer, total) VALUES (?1, 'alice', 4200)",
-                    params![id],
-                )
-                .unwrap();
-                if enqueue {
-                    outbox
-                        .enqueue_rusqlite(&tx, bench_message(id as usize))
-                        .unwrap();
-                }
-                tx.commit().unwrap();
+                n += 1;
+                business_tx(&mut conn, &outbox, n, enqueue);
             }
             *(if enqueue { &mut with } else { &mut plain }) += start.elapsed();
         }
@@ -485,16 +494,7 @@ fn paced_writer(
         while started.elapsed() < min || !stop.load(Ordering::Acquire) {
             id += 1;
             let t = Instant::now();
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .unwrap();
-            tx.execute(
-                "INSERT INTO orders (customer, total) VALUES ('alice', 4200)",
-                [],
-            )
-            .unwrap();
-            outbox.enqueue_rusqlite(&tx, bench_message(id)).unwrap();
-            tx.commit().unwrap();
+            business_tx(&mut conn, &outbox, id, true);
             hist.record(t.elapsed().as_micros() as u64).unwrap();
             next += Duration::from_millis(1);
             if let Some(wait) = next.checked_duration_since(Instant::now()) {
