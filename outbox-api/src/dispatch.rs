@@ -21,6 +21,10 @@ pub type HandlerError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// * `Err` counts as a failed attempt (so do a panic and a timeout, which the
 ///   relay catches). A message type with no handler is an `Err` that names
 ///   the type.
+/// * An `Err` that is (or has in its source chain) a
+///   [`TemporarilyUnavailable`](crate::TemporarilyUnavailable) does **not**
+///   count: the relay retries the message later with backoff, attempts
+///   unchanged, and reports the type's handler as unavailable in health.
 /// * The same message may be dispatched more than once (at-least-once: a
 ///   crash between handling and marking, or a retry after a partial failure
 ///   when several handlers are registered), so handlers should be idempotent

@@ -11,6 +11,7 @@
 mod dispatch;
 mod enqueue;
 mod error;
+mod guard;
 mod health;
 mod message;
 pub mod purge;
@@ -28,6 +29,7 @@ pub use dispatch::{
 };
 pub use enqueue::Enqueue;
 pub use error::{Error, ErrorKind, Result, redact_url};
+pub use guard::{HandlerOutcome, TemporarilyUnavailable, run_guarded};
 pub use health::{HealthReport, HealthStatus, TransportHealth};
 pub use message::{
     Destination, Message, MessageId, MessageKind, MessageState, NewMessage, OutboxMessage,
