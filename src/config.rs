@@ -10,6 +10,14 @@ use outbox_api::{Error, Result, RetryPolicy};
 #[non_exhaustive]
 pub struct RelayConfig {
     /// The relay's identity, stored as `locked_by` (default: `relay-<pid>-<random>`).
+    ///
+    /// Give a relay a **stable** id (say, the host or pod name) and, when it
+    /// restarts after a crash, it takes back the leases its previous process
+    /// held at once instead of waiting for them to expire. A stable id must
+    /// belong to one live relay at a time: a second relay over the same
+    /// store in the same process is refused at spawn; across processes that
+    /// is the deployment's duty (a twin would take the live relay's leases
+    /// at its start, causing duplicate deliveries — never a loss).
     pub worker_id: String,
     /// Longest sleep between claims when nothing wakes the relay (2 s).
     pub poll_interval: Duration,
@@ -45,6 +53,16 @@ pub struct RelayConfig {
     pub probe_initial: Duration,
     /// Longest wait between probes (5 s).
     pub probe_max: Duration,
+    /// Longest one probe may take (10 s); a probe that does not answer in
+    /// time counts as "still down". Probes run in their own task, so they
+    /// never delay domain deliveries.
+    pub probe_timeout: Duration,
+    /// First wait before retrying a message whose handler said it is
+    /// temporarily unavailable (1 s); doubles with each such answer of the
+    /// same message type in a row. Such retries never count an attempt.
+    pub unavailable_initial: Duration,
+    /// Longest wait before retrying a temporarily unavailable handler (60 s).
+    pub unavailable_max: Duration,
     /// Wait after a store error before trying again (1 s).
     pub store_error_backoff: Duration,
 }
@@ -66,6 +84,9 @@ impl Default for RelayConfig {
             backlog_age_alert: Duration::from_secs(300),
             probe_initial: Duration::from_millis(100),
             probe_max: Duration::from_secs(5),
+            probe_timeout: Duration::from_secs(10),
+            unavailable_initial: Duration::from_secs(1),
+            unavailable_max: Duration::from_secs(60),
             store_error_backoff: Duration::from_secs(1),
         }
     }
@@ -89,6 +110,8 @@ impl RelayConfig {
         positive("handler_timeout", self.handler_timeout)?;
         positive("purge_interval", self.purge_interval)?;
         positive("probe_initial", self.probe_initial)?;
+        positive("probe_timeout", self.probe_timeout)?;
+        positive("unavailable_initial", self.unavailable_initial)?;
         positive("store_error_backoff", self.store_error_backoff)?;
         if self.batch_size == 0 {
             return Err(Error::config("batch_size", "must be at least 1"));
@@ -115,6 +138,12 @@ impl RelayConfig {
             return Err(Error::config(
                 "probe_max",
                 "must not be shorter than `probe_initial`",
+            ));
+        }
+        if self.unavailable_max < self.unavailable_initial {
+            return Err(Error::config(
+                "unavailable_max",
+                "must not be shorter than `unavailable_initial`",
             ));
         }
         if let Some(r) = self.retention {

@@ -252,6 +252,9 @@ impl outbox::Store for GatedPurge {
     async fn release(&self, r: &outbox::Release) -> outbox::Result<()> {
         self.inner.release(r).await
     }
+    async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
+        self.inner.release_worker(worker).await
+    }
     async fn stats(&self) -> outbox::Result<outbox::Stats> {
         self.inner.stats().await
     }
@@ -341,6 +344,9 @@ impl outbox::Store for FusedClaimFails {
     }
     async fn release(&self, r: &outbox::Release) -> outbox::Result<()> {
         self.0.release(r).await
+    }
+    async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
+        self.0.release_worker(worker).await
     }
     async fn stats(&self) -> outbox::Result<outbox::Stats> {
         self.0.stats().await

@@ -113,6 +113,9 @@ impl Store for PollOnly {
     async fn fail(&self, f: &Failure) -> outbox::Result<FailOutcome> {
         self.0.fail(f).await
     }
+    async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
+        self.0.release_worker(worker).await
+    }
     async fn release(&self, r: &Release) -> outbox::Result<()> {
         self.0.release(r).await
     }

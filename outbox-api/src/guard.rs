@@ -241,8 +241,7 @@ mod tests {
         assert_eq!(
             wrapped,
             HandlerOutcome::Unavailable {
-                reason: "calling the warehouse: temporarily unavailable: connection refused"
-                    .into(),
+                reason: "calling the warehouse: temporarily unavailable: connection refused".into(),
                 retry_after: None,
             }
         );

@@ -131,7 +131,8 @@ impl From<Stats> for Backlog {
 ///   reschedules at `retry_at` or poisons at `max_attempts`; it applies only
 ///   while `worker` holds the lease.
 /// * [`release`](Store::release) gives leases back without counting an
-///   attempt (outage, shutdown).
+///   attempt (outage, shutdown); [`release_worker`](Store::release_worker)
+///   gives back all of one worker's leases (a restart).
 /// * [`purge_processed`](Store::purge_processed) deletes at most `limit`
 ///   processed messages older than `before`, so that a caller can purge in
 ///   small batches without long write locks.
@@ -149,6 +150,13 @@ pub trait Store: Send + Sync + Debug + 'static {
 
     /// Releases leases without counting an attempt.
     async fn release(&self, release: &Release) -> Result<()>;
+
+    /// Gives back, without counting an attempt, every lease `worker` holds
+    /// on a pending message (available again at once, `available_at`
+    /// unchanged); returns how many. A relay restarted with the same stable
+    /// worker id calls it at start, so the work its previous process had
+    /// claimed is not stuck until those leases expire.
+    async fn release_worker(&self, worker: &str) -> Result<u64>;
 
     /// Marks `done` processed and then claims, exactly as
     /// [`complete`](Store::complete) followed by [`claim`](Store::claim)

@@ -64,6 +64,10 @@ impl<S: Store> Store for CountingStore<S> {
         self.note("fail", self.inner.fail(failure).await)
     }
 
+    async fn release_worker(&self, worker: &str) -> Result<u64> {
+        self.note("release_worker", self.inner.release_worker(worker).await)
+    }
+
     async fn release(&self, release: &Release) -> Result<()> {
         self.note("release", self.inner.release(release).await)
     }

@@ -334,6 +334,23 @@ impl Store for MemoryStore {
         Ok(())
     }
 
+    async fn release_worker(&self, worker: &str) -> Result<u64> {
+        let mut inner = self.lock();
+        let held: Vec<u64> = inner
+            .pending
+            .iter()
+            .copied()
+            .filter(|seq| Inner::holds_lease(&inner.rows[seq], worker))
+            .collect();
+        for seq in &held {
+            if let Some(m) = inner.rows.get_mut(seq) {
+                m.locked_by = None;
+                m.locked_until = None;
+            }
+        }
+        Ok(held.len() as u64)
+    }
+
     async fn stats(&self) -> Result<Stats> {
         let inner = self.lock();
         Ok(Stats {

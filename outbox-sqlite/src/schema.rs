@@ -183,6 +183,7 @@ pub(crate) struct Sql {
     pub complete: String,
     pub fail: String,
     pub release: String,
+    pub release_worker: String,
 }
 
 impl Sql {
@@ -233,6 +234,10 @@ impl Sql {
                 "UPDATE {outbox} SET locked_by = NULL, locked_until = NULL, available_at = ?1,
                    last_error = COALESCE(?2, last_error)
                  WHERE id = ?3 AND state = 'pending' AND locked_by = ?4"
+            ),
+            release_worker: format!(
+                "UPDATE {outbox} SET locked_by = NULL, locked_until = NULL
+                 WHERE state = 'pending' AND locked_by = ?1"
             ),
         })
     }

@@ -474,6 +474,15 @@ impl Store for SqliteStore {
         .await
     }
 
+    async fn release_worker(&self, worker: &str) -> Result<u64> {
+        let worker = worker.to_owned();
+        self.run("releasing a worker's leases", move |conn, sql| {
+            let n = conn.execute(&sql.release_worker, params![worker])?;
+            Ok(n as u64)
+        })
+        .await
+    }
+
     async fn stats(&self) -> Result<Stats> {
         self.run("reading stats", |conn, sql| {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Deferred)?;

@@ -1,0 +1,167 @@
+//! Building a relay: `Relay::builder(store).dispatcher(..).transport(..).spawn()`.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use outbox_api::{Clock, Dispatcher, Error, Result, Store, SystemClock, Transport};
+use tokio::sync::{Notify, watch};
+
+use super::gate::Gate;
+use super::{Counters, Inner, Relay, RelayHandle};
+use crate::config::RelayConfig;
+
+/// Builds a [`Relay`]: `Relay::builder(store).dispatcher(..).transport(..).spawn()`.
+pub struct RelayBuilder {
+    store: Arc<dyn Store>,
+    transport: Option<Arc<dyn Transport>>,
+    dispatcher: Option<Arc<dyn Dispatcher>>,
+    clock: Arc<dyn Clock>,
+    config: RelayConfig,
+}
+
+impl std::fmt::Debug for RelayBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBuilder")
+            .field("store", &self.store)
+            .field("transport", &self.transport)
+            .field("dispatcher", &self.dispatcher)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+macro_rules! setter {
+    ($(#[$doc:meta])* $name:ident: $ty:ty) => {
+        $(#[$doc])*
+        pub fn $name(mut self, value: $ty) -> Self {
+            self.config.$name = value;
+            self
+        }
+    };
+}
+
+impl RelayBuilder {
+    pub(super) fn new(store: Arc<dyn Store>) -> Self {
+        RelayBuilder {
+            store,
+            transport: None,
+            dispatcher: None,
+            clock: Arc::new(SystemClock),
+            config: RelayConfig::default(),
+        }
+    }
+
+    /// Sends integration messages through `transport`.
+    pub fn transport(self, transport: impl Transport) -> Self {
+        self.transport_shared(Arc::new(transport))
+    }
+
+    /// Like [`transport`](Self::transport), for a shared transport.
+    pub fn transport_shared(mut self, transport: Arc<dyn Transport>) -> Self {
+        self.transport = Some(transport);
+        self
+    }
+
+    /// Delivers domain messages to `dispatcher` (usually a [`Handlers`](outbox_api::Handlers)).
+    pub fn dispatcher(self, dispatcher: impl Dispatcher) -> Self {
+        self.dispatcher_shared(Arc::new(dispatcher))
+    }
+
+    /// Like [`dispatcher`](Self::dispatcher), for a shared dispatcher.
+    pub fn dispatcher_shared(mut self, dispatcher: Arc<dyn Dispatcher>) -> Self {
+        self.dispatcher = Some(dispatcher);
+        self
+    }
+
+    /// Takes the time from `clock` (tests; production uses the wall clock).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Replaces the whole configuration.
+    pub fn config(mut self, config: RelayConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    setter!(/// See [`RelayConfig::worker_id`].
+        worker_id: String);
+    setter!(/// See [`RelayConfig::poll_interval`].
+        poll_interval: Duration);
+    setter!(/// See [`RelayConfig::batch_size`].
+        batch_size: usize);
+    setter!(/// See [`RelayConfig::max_attempts`].
+        max_attempts: u32);
+    setter!(/// See [`RelayConfig::lease`].
+        lease: Duration);
+    setter!(/// See [`RelayConfig::handler_timeout`].
+        handler_timeout: Duration);
+    setter!(/// See [`RelayConfig::concurrency`].
+        concurrency: usize);
+    setter!(/// See [`RelayConfig::retry_policy`].
+        retry_policy: outbox_api::RetryPolicy);
+    setter!(/// See [`RelayConfig::retention`].
+        retention: Option<Duration>);
+    setter!(/// See [`RelayConfig::purge_interval`].
+        purge_interval: Duration);
+    setter!(/// See [`RelayConfig::purge_batch`].
+        purge_batch: usize);
+    setter!(/// See [`RelayConfig::backlog_age_alert`].
+        backlog_age_alert: Duration);
+    setter!(/// See [`RelayConfig::probe_initial`].
+        probe_initial: Duration);
+    setter!(/// See [`RelayConfig::probe_max`].
+        probe_max: Duration);
+    setter!(/// See [`RelayConfig::probe_timeout`].
+        probe_timeout: Duration);
+    setter!(/// See [`RelayConfig::unavailable_initial`].
+        unavailable_initial: Duration);
+    setter!(/// See [`RelayConfig::unavailable_max`].
+        unavailable_max: Duration);
+
+    /// Checks the configuration and builds the relay (not yet running).
+    pub fn build(self) -> Result<Relay> {
+        self.config.validate()?;
+        if self.transport.is_none() && self.dispatcher.is_none() {
+            return Err(Error::config(
+                "dispatcher",
+                "a relay needs a dispatcher (domain messages), a transport (integration messages), or both",
+            ));
+        }
+        let gate = Gate::new(self.transport.is_some());
+        Ok(Relay {
+            inner: Arc::new(Inner {
+                store: self.store,
+                transport: self.transport,
+                dispatcher: self.dispatcher,
+                clock: self.clock,
+                config: self.config,
+                gate,
+                shutdown: watch::channel(false).0,
+                running: AtomicBool::new(false),
+                crashed: Mutex::new(None),
+                wake: Notify::new(),
+                drains_started: AtomicU64::new(0),
+                idle: watch::channel(0).0,
+                last_store_error: Mutex::new(None),
+                unavailable: Mutex::new(HashMap::new()),
+                counters: Counters::default(),
+            }),
+        })
+    }
+
+    /// Builds the relay and runs it on the current tokio runtime; see
+    /// [`Relay::spawn`].
+    pub fn spawn(self) -> Result<RelayHandle> {
+        self.build()?.spawn()
+    }
+}
+
+/// The relays running in this process: (store, worker id).
+pub(super) fn live_workers() -> &'static Mutex<HashSet<(usize, String)>> {
+    static LIVE: OnceLock<Mutex<HashSet<(usize, String)>>> = OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}

@@ -1,0 +1,294 @@
+//! The relay: claims messages from a [`Store`] and delivers them to a
+//! [`Dispatcher`] (domain) or a [`Transport`] (integration).
+//!
+//! The rules it follows are in `docs/rules.md`. Its parts, one concern a
+//! file:
+//!
+//! * `builder` — configuration and construction;
+//! * `schedule` — continuous scheduling: slots, per-key chains, claims;
+//! * `deliver` — one delivery (a guarded handler run or a transport send);
+//! * `settle` — recording what deliveries ended in, in small groups;
+//! * `gate` — the transport's state and its probe task;
+//! * `upkeep` — retention purge and health;
+//! * `handle` — the running relay's handle.
+
+mod builder;
+mod deliver;
+mod gate;
+mod handle;
+mod schedule;
+mod settle;
+mod upkeep;
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures_util::FutureExt;
+use outbox_api::{
+    Clock, Dispatcher, Result, Store, Timestamp, Transport, WorkListener, panic_message,
+};
+use tokio::sync::{Notify, watch};
+
+use crate::config::RelayConfig;
+
+pub use builder::RelayBuilder;
+pub use handle::RelayHandle;
+
+use gate::Gate;
+use schedule::{Mode, Scheduler};
+
+/// What one [`Relay::drain`] (or [`Relay::run_batch`]) did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// Claims that returned messages.
+    pub batches: u64,
+    /// Messages delivered and marked processed.
+    pub delivered: u64,
+    /// Counted failures that will be retried.
+    pub failed: u64,
+    /// Counted failures that poisoned their message.
+    pub poisoned: u64,
+    /// Messages given back without counting (outage, shutdown, a key's
+    /// earlier message failed, a lease too short to start on).
+    pub released: u64,
+    /// Messages whose handler said it was temporarily unavailable: given
+    /// back uncounted, to be tried again after a backoff.
+    pub deferred: u64,
+}
+
+impl DrainReport {
+    fn add(&mut self, other: DrainReport) {
+        self.batches += other.batches;
+        self.delivered += other.delivered;
+        self.failed += other.failed;
+        self.poisoned += other.poisoned;
+        self.released += other.released;
+        self.deferred += other.deferred;
+    }
+}
+
+/// Totals since the relay was built.
+#[derive(Debug, Default)]
+struct Counters {
+    delivered: AtomicU64,
+    failed: AtomicU64,
+    poisoned: AtomicU64,
+    released: AtomicU64,
+    deferred: AtomicU64,
+}
+
+impl Counters {
+    fn add(&self, r: &DrainReport) {
+        self.delivered.fetch_add(r.delivered, Ordering::Relaxed);
+        self.failed.fetch_add(r.failed, Ordering::Relaxed);
+        self.poisoned.fetch_add(r.poisoned, Ordering::Relaxed);
+        self.released.fetch_add(r.released, Ordering::Relaxed);
+        self.deferred.fetch_add(r.deferred, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> DrainReport {
+        DrainReport {
+            batches: 0,
+            delivered: self.delivered.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            poisoned: self.poisoned.load(Ordering::Relaxed),
+            released: self.released.load(Ordering::Relaxed),
+            deferred: self.deferred.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A message type whose handler said it is temporarily unavailable.
+#[derive(Debug, Clone)]
+struct Unavailable {
+    since: Timestamp,
+    reason: String,
+    /// Uncounted retries in a row, for the backoff.
+    streak: u32,
+}
+
+struct Inner {
+    store: Arc<dyn Store>,
+    transport: Option<Arc<dyn Transport>>,
+    dispatcher: Option<Arc<dyn Dispatcher>>,
+    clock: Arc<dyn Clock>,
+    config: RelayConfig,
+    gate: Gate,
+    shutdown: watch::Sender<bool>,
+    running: AtomicBool,
+    /// Why the relay task died, if it did.
+    crashed: Mutex<Option<String>>,
+    wake: Notify,
+    drains_started: AtomicU64,
+    idle: watch::Sender<u64>,
+    last_store_error: Mutex<Option<String>>,
+    /// Handlers that said "temporarily unavailable", by message type.
+    unavailable: Mutex<HashMap<String, Unavailable>>,
+    counters: Counters,
+}
+
+/// The relay engine. Usually [`spawn`](Relay::spawn)ed; tests may also call
+/// [`drain`](Relay::drain) step by step.
+#[derive(Clone)]
+pub struct Relay {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("worker_id", &self.inner.config.worker_id)
+            .field("store", &self.inner.store)
+            .finish_non_exhaustive()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Relay {
+    /// Starts building a relay over `store`.
+    pub fn builder(store: impl Store) -> RelayBuilder {
+        Self::builder_shared(Arc::new(store))
+    }
+
+    /// Like [`builder`](Self::builder), for a shared store.
+    pub fn builder_shared(store: Arc<dyn Store>) -> RelayBuilder {
+        RelayBuilder::new(store)
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &RelayConfig {
+        &self.inner.config
+    }
+
+    /// Runs the relay loop on the current tokio runtime. If the loop dies
+    /// (a panic in a store or transport), the relay reports Unhealthy and
+    /// [`RelayHandle::until_idle`] fails, naming the panic.
+    ///
+    /// Refuses a `worker_id` that a relay running in this process over the
+    /// same store already uses: a relay takes back at start the leases held
+    /// under its id (see [`RelayConfig::worker_id`]), which would take them
+    /// from the live one.
+    pub fn spawn(self) -> Result<RelayHandle> {
+        let id = self.inner.config.worker_id.clone();
+        let registered = self.registration();
+        if !lock(builder::live_workers()).insert(registered.clone()) {
+            return Err(outbox_api::Error::config(
+                "worker_id",
+                format!(
+                    "`{id}` is already used by a relay running in this process; each live relay needs its own"
+                ),
+            ));
+        }
+        self.inner.running.store(true, Ordering::SeqCst);
+        let relay = self.clone();
+        let task = tokio::spawn(async move {
+            let outcome = AssertUnwindSafe(relay.clone().run()).catch_unwind().await;
+            lock(builder::live_workers()).remove(&registered);
+            if let Err(panic) = outcome {
+                let text = format!("relay task panicked: {}", panic_message(&*panic));
+                tracing::error!(worker = %relay.inner.config.worker_id, "{text}");
+                *lock(&relay.inner.crashed) = Some(text);
+                relay.inner.running.store(false, Ordering::SeqCst);
+                relay.inner.idle.send_modify(|_| {});
+            }
+        });
+        Ok(RelayHandle::new(self, task))
+    }
+
+    /// This relay's entry among the live relays of the process: its store
+    /// and its worker id.
+    fn registration(&self) -> (usize, String) {
+        let store = Arc::as_ptr(&self.inner.store) as *const () as usize;
+        (store, self.inner.config.worker_id.clone())
+    }
+
+    fn now(&self) -> Timestamp {
+        self.inner.clock.now()
+    }
+
+    fn stopping(&self) -> bool {
+        *self.inner.shutdown.borrow()
+    }
+
+    /// Claims and delivers until nothing is claimable and everything
+    /// claimed is settled (or shutdown was requested): up to `concurrency`
+    /// deliveries in flight, claimed as slots free up.
+    pub async fn drain(&self) -> Result<DrainReport> {
+        self.drain_with(None).await
+    }
+
+    async fn drain_with(
+        &self,
+        listener: Option<&mut Box<dyn WorkListener>>,
+    ) -> Result<DrainReport> {
+        let started = self.inner.drains_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let result = Scheduler::new(self, Mode::Drain, listener).run().await;
+        if result.is_ok() {
+            self.inner.idle.send_modify(|v| *v = (*v).max(started));
+        }
+        result
+    }
+
+    /// Claims one batch and delivers it, claiming nothing more; returns what
+    /// happened and how many messages were claimed.
+    pub async fn run_batch(&self) -> Result<(DrainReport, usize)> {
+        let mut scheduler = Scheduler::new(self, Mode::OneBatch, None);
+        let report = scheduler.run().await?;
+        Ok((report, scheduler.claimed()))
+    }
+
+    async fn run(self) {
+        let cfg = self.inner.config.clone();
+        tracing::info!(worker = %cfg.worker_id, "relay started");
+        // A restarted relay with a stable worker id takes back the leases
+        // its previous process held, instead of waiting for them to expire.
+        match self.inner.store.release_worker(&cfg.worker_id).await {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(worker = %cfg.worker_id, released = n, "took back leases held under this worker id by an earlier run")
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not take back earlier leases; they expire by themselves")
+            }
+        }
+        let mut listener = self.inner.store.listen();
+        let mut shutdown = self.inner.shutdown.subscribe();
+        let purger = cfg
+            .retention
+            .is_some()
+            .then(|| tokio::spawn(self.clone().purge_loop()));
+        while !*shutdown.borrow() {
+            let wait = match self.drain_with(Some(&mut listener)).await {
+                Ok(_) => {
+                    *lock(&self.inner.last_store_error) = None;
+                    cfg.poll_interval
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "relay could not use the store; retrying");
+                    *lock(&self.inner.last_store_error) = Some(e.to_string());
+                    cfg.store_error_backoff
+                }
+            };
+            tokio::select! {
+                _ = listener.wait(wait) => {}
+                _ = self.inner.wake.notified() => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+        if let Some(purger) = purger {
+            // It stops at the shutdown signal, after the batch in progress.
+            if let Err(e) = purger.await {
+                tracing::error!(error = %e, "purge task ended abnormally");
+            }
+        }
+        self.inner.running.store(false, Ordering::SeqCst);
+        self.inner.idle.send_modify(|_| {});
+        tracing::info!(worker = %cfg.worker_id, "relay stopped");
+    }
+}

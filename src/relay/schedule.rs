@@ -1,0 +1,429 @@
+//! Continuous scheduling (rule "Scheduling" in `docs/rules.md`).
+//!
+//! Up to `concurrency` deliveries are in flight; more are claimed as slots
+//! free up, so a slow handler holds one slot, never the relay. Claimed
+//! messages wait in `ready` in claim (commit) order. A key's message starts
+//! only when no earlier message of its key is in flight, and the key's
+//! later messages are given back untouched as soon as one of its messages
+//! does not get through, so a key's messages are delivered in order. A
+//! delivery starts only if it can end, within `handler_timeout`, before its
+//! lease does. Integration messages that are ready together go out in one
+//! transport send, several sends in flight at once (a continuous window).
+//! Outcomes are recorded in small groups: one store round at a time, with
+//! whatever finished since the last, and the next claim riding along.
+
+use std::collections::{HashSet, VecDeque};
+use std::pin::Pin;
+
+use futures_util::stream::FuturesUnordered;
+use futures_util::{Future, FutureExt, StreamExt};
+use outbox_api::{ClaimRequest, Message, MessageKind, Result, Timestamp, WorkListener};
+
+use super::deliver::DeliveryOutcome;
+use super::settle::{Round, Settlement};
+use super::{DrainReport, Relay};
+
+/// How long the scheduler goes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Mode {
+    /// Until nothing is claimable and everything claimed is settled.
+    Drain,
+    /// One claim, delivered and settled.
+    OneBatch,
+}
+
+/// A claimed message waiting for a slot, and when its lease ends.
+struct Ready {
+    message: Message,
+    lease_until: Timestamp,
+}
+
+/// What the scheduler waited for.
+enum Event {
+    Finished(Vec<(Message, DeliveryOutcome)>),
+    Round(Round),
+    Commit(bool),
+    Nothing,
+}
+
+type Delivery = Pin<Box<dyn Future<Output = Vec<(Message, DeliveryOutcome)>> + Send>>;
+type StoreRound = Pin<Box<dyn Future<Output = Round> + Send>>;
+
+pub(super) struct Scheduler<'a> {
+    relay: &'a Relay,
+    mode: Mode,
+    listener: Option<&'a mut Box<dyn WorkListener>>,
+    ready: VecDeque<Ready>,
+    /// Keys with a delivery in flight.
+    busy_keys: HashSet<String>,
+    deliveries: FuturesUnordered<Delivery>,
+    /// Messages in flight (a send of n messages holds n slots).
+    slots_used: usize,
+    /// Outcomes not yet handed to a store round.
+    pending: Settlement,
+    round: Option<StoreRound>,
+    /// When the round in flight was asked to claim, the lease it asks for
+    /// ends at this time.
+    round_lease_until: Option<Timestamp>,
+    /// The last claim found less than it asked for: claim again only when
+    /// a settle may have unblocked something or a commit was announced.
+    exhausted: bool,
+    /// Store rounds that carried a claim.
+    claim_rounds: usize,
+    claimed: usize,
+    report: DrainReport,
+    error: Option<outbox_api::Error>,
+}
+
+impl<'a> Scheduler<'a> {
+    pub(super) fn new(
+        relay: &'a Relay,
+        mode: Mode,
+        listener: Option<&'a mut Box<dyn WorkListener>>,
+    ) -> Self {
+        Scheduler {
+            relay,
+            mode,
+            listener,
+            ready: VecDeque::new(),
+            busy_keys: HashSet::new(),
+            deliveries: FuturesUnordered::new(),
+            slots_used: 0,
+            pending: Settlement::default(),
+            round: None,
+            round_lease_until: None,
+            exhausted: false,
+            claim_rounds: 0,
+            claimed: 0,
+            report: DrainReport::default(),
+            error: None,
+        }
+    }
+
+    /// Messages claimed so far.
+    pub(super) fn claimed(&self) -> usize {
+        self.claimed
+    }
+
+    pub(super) async fn run(&mut self) -> Result<DrainReport> {
+        loop {
+            if self.relay.stopping() || self.error.is_some() {
+                self.give_back_ready();
+            }
+            self.start_ready();
+            if self.round.is_none() {
+                self.start_round();
+            }
+            if self.round.is_none() && self.deliveries.is_empty() && self.ready.is_empty() {
+                break;
+            }
+            let listen = self.exhausted
+                && self.mode == Mode::Drain
+                && !self.relay.stopping()
+                && self.listener.is_some();
+            match self.next_event(listen).await {
+                Event::Finished(results) => {
+                    for (m, outcome) in results {
+                        self.finished(m, outcome);
+                    }
+                    // Take in whatever else finished meanwhile, so the next
+                    // store round records it too.
+                    while let Some(Some(results)) = self.deliveries.next().now_or_never() {
+                        for (m, outcome) in results {
+                            self.finished(m, outcome);
+                        }
+                    }
+                }
+                Event::Round(round) => {
+                    self.round = None;
+                    self.round_done(round);
+                }
+                Event::Commit(changed) => {
+                    if changed {
+                        self.exhausted = false;
+                    }
+                }
+                Event::Nothing => {
+                    self.give_back_ready();
+                    if self.pending.is_empty() {
+                        break;
+                    }
+                }
+            }
+        }
+        match self.error.take() {
+            Some(e) => Err(e),
+            None => Ok(self.report),
+        }
+    }
+
+    /// Waits for a delivery to end, the store round to end, or (with
+    /// `listen`) a commit announced by the store: while work is in flight, a
+    /// commit makes the next claim worth making.
+    async fn next_event(&mut self, listen: bool) -> Event {
+        let poll_interval = self.relay.inner.config.poll_interval;
+        let has_deliveries = !self.deliveries.is_empty();
+        let has_round = self.round.is_some();
+        let deliveries = &mut self.deliveries;
+        let round = &mut self.round;
+        let listener = &mut self.listener;
+        tokio::select! {
+            Some(results) = deliveries.next(), if has_deliveries => Event::Finished(results),
+            done = async { round.as_mut().expect("guarded").await }, if has_round => Event::Round(done),
+            changed = async { listener.as_mut().expect("guarded").wait(poll_interval).await }, if listen => Event::Commit(changed),
+            else => Event::Nothing,
+        }
+    }
+
+    fn config(&self) -> &crate::RelayConfig {
+        &self.relay.inner.config
+    }
+
+    /// Whether a claim is worth making now.
+    fn wants_claim(&self) -> bool {
+        let cfg = self.config();
+        if self.relay.stopping() || self.error.is_some() {
+            return false;
+        }
+        if self.mode == Mode::OneBatch && self.claim_rounds > 0 {
+            return false;
+        }
+        // At most one batch waits for slots beyond those in flight.
+        let room = self.ready.len() < cfg.batch_size
+            && self.slots_used + self.ready.len() < cfg.concurrency + cfg.batch_size;
+        // Completions and releases may unblock a key's later messages.
+        let unblocked = !self.pending.done.is_empty() || !self.pending.untouched.is_empty();
+        room && (!self.exhausted || unblocked)
+    }
+
+    /// The claim for what this relay can deliver now, if anything.
+    fn claim_request(&self, now: Timestamp) -> Option<ClaimRequest> {
+        let inner = &self.relay.inner;
+        let transport_up = inner.transport.is_some() && inner.gate.is_up();
+        let kind = match (inner.dispatcher.is_some(), transport_up) {
+            (true, true) => None,
+            (true, false) => Some(MessageKind::Domain),
+            (false, true) => Some(MessageKind::Integration),
+            (false, false) => return None,
+        };
+        let cfg = self.config();
+        Some(ClaimRequest {
+            worker: cfg.worker_id.clone(),
+            limit: cfg.batch_size,
+            lease: cfg.lease,
+            now,
+            kind,
+        })
+    }
+
+    /// Starts a store round if there is anything to record or claim.
+    fn start_round(&mut self) {
+        let now = self.relay.now();
+        let claim = if self.wants_claim() {
+            let request = self.claim_request(now);
+            if request.is_none() {
+                // Nothing this relay can deliver now (no transport up and
+                // no dispatcher): as good as an empty claim.
+                self.exhausted = true;
+            }
+            request
+        } else {
+            None
+        };
+        if claim.is_none() && self.pending.is_empty() {
+            return;
+        }
+        self.round_lease_until = claim.as_ref().map(|c| now.add(c.lease));
+        if claim.is_some() {
+            self.claim_rounds += 1;
+        }
+        let settlement = std::mem::take(&mut self.pending);
+        let relay = self.relay.clone();
+        self.round = Some(Box::pin(async move {
+            relay.settle_and_claim(settlement, claim).await
+        }));
+    }
+
+    fn round_done(&mut self, round: Round) {
+        self.report.add(round.report);
+        let lease_until = self.round_lease_until.take();
+        match round.claimed {
+            Some(messages) => {
+                let limit = self.config().batch_size;
+                self.exhausted = messages.len() < limit;
+                if !messages.is_empty() {
+                    self.report.batches += 1;
+                    self.claimed += messages.len();
+                }
+                let lease_until = lease_until.expect("a claim has a lease");
+                self.ready.extend(messages.into_iter().map(|message| Ready {
+                    message,
+                    lease_until,
+                }));
+            }
+            None if round.error.is_none() => {
+                // Only records: what they unblock is claimed next round.
+                self.exhausted = false;
+            }
+            None => {}
+        }
+        if let Some(e) = round.error {
+            self.error.get_or_insert(e);
+        }
+    }
+
+    /// Starts what can start: in claim order, while slots are free; skips
+    /// keys with a delivery in flight; gives back what may not start.
+    fn start_ready(&mut self) {
+        let concurrency = self.config().concurrency;
+        if self.ready.is_empty() || self.slots_used >= concurrency {
+            return;
+        }
+        let timeout = self.config().handler_timeout;
+        let now = self.relay.now();
+        let transport_up = self.relay.inner.gate.is_up();
+        let mut group: Vec<Message> = Vec::new();
+        let group_max = send_group_size(concurrency);
+        let mut i = 0;
+        while i < self.ready.len() && self.slots_used + group.len() < concurrency {
+            let entry = &self.ready[i];
+            let key = entry.message.key.as_deref();
+            if let Some(k) = key {
+                if self.busy_keys.contains(k) {
+                    i += 1;
+                    continue;
+                }
+            }
+            let integration = entry.message.kind == MessageKind::Integration;
+            let lease_holds = now.add(timeout) <= entry.lease_until;
+            if !lease_holds || (integration && !transport_up) {
+                // It cannot start on this claim: back, with its key's rest.
+                let entry = self.ready.remove(i).expect("in range");
+                if !lease_holds {
+                    tracing::debug!(message.id = %entry.message.id, "lease too short to start; giving it back");
+                }
+                self.give_back_key(entry.message.key.clone());
+                self.pending.untouched.push(entry.message.id);
+                continue;
+            }
+            let entry = self.ready.remove(i).expect("in range");
+            if let Some(k) = &entry.message.key {
+                self.busy_keys.insert(k.clone());
+            }
+            if integration {
+                group.push(entry.message);
+                if group.len() >= group_max {
+                    self.start_send(std::mem::take(&mut group));
+                }
+            } else {
+                self.start_dispatch(entry.message);
+            }
+        }
+        if !group.is_empty() {
+            self.start_send(group);
+        }
+    }
+
+    fn start_dispatch(&mut self, m: Message) {
+        self.slots_used += 1;
+        let relay = self.relay.clone();
+        self.deliveries.push(Box::pin(async move {
+            let outcome = relay.dispatch_one(&m).await;
+            vec![(m, outcome)]
+        }));
+    }
+
+    fn start_send(&mut self, group: Vec<Message>) {
+        self.slots_used += group.len();
+        let relay = self.relay.clone();
+        self.deliveries.push(Box::pin(async move {
+            let outcomes = relay.send(&group).await;
+            group.into_iter().zip(outcomes).collect()
+        }));
+    }
+
+    /// One message's delivery ended.
+    fn finished(&mut self, m: Message, outcome: DeliveryOutcome) {
+        self.slots_used -= 1;
+        if let Some(k) = &m.key {
+            self.busy_keys.remove(k);
+        }
+        if !matches!(outcome, DeliveryOutcome::Delivered) {
+            // The key's later messages must not overtake this one.
+            self.give_back_key(m.key.clone());
+        }
+        match outcome {
+            DeliveryOutcome::Delivered => {
+                if m.kind == MessageKind::Domain {
+                    self.relay.handler_available(&m.message_type);
+                }
+                self.pending.done.push(m.id);
+            }
+            DeliveryOutcome::Failed(error) => self.pending.failed.push((m, error)),
+            DeliveryOutcome::HandlerUnavailable {
+                reason,
+                retry_after,
+            } => {
+                let until = self.relay.defer_until(&m, &reason, retry_after);
+                tracing::warn!(message.id = %m.id, message.type = %m.message_type, %reason, "handler temporarily unavailable; tried again later, not counted");
+                let error = format!("handler temporarily unavailable (not counted): {reason}");
+                self.pending.deferred.push((m.id, error, until));
+            }
+            DeliveryOutcome::TransportUnavailable(reason) => {
+                self.relay.transport_went_down(reason.clone());
+                self.pending.outage.push(m.id);
+                self.pending.outage_reason = Some(reason);
+                // What waits for the broker waits for the probe instead.
+                self.give_back_integration();
+            }
+        }
+    }
+
+    /// Gives back, untouched, every waiting message of `key`.
+    fn give_back_key(&mut self, key: Option<String>) {
+        let Some(key) = key else { return };
+        let pending = &mut self.pending;
+        self.ready.retain(|r| {
+            let same = r.message.key.as_deref() == Some(key.as_str());
+            if same {
+                pending.untouched.push(r.message.id);
+            }
+            !same
+        });
+    }
+
+    /// Gives back every waiting integration message (the broker is down),
+    /// with the later messages of their keys.
+    fn give_back_integration(&mut self) {
+        let keys: HashSet<String> = self
+            .ready
+            .iter()
+            .filter(|r| r.message.kind == MessageKind::Integration)
+            .filter_map(|r| r.message.key.clone())
+            .collect();
+        let pending = &mut self.pending;
+        self.ready.retain(|r| {
+            let back = r.message.kind == MessageKind::Integration
+                || r.message.key.as_ref().is_some_and(|k| keys.contains(k));
+            if back {
+                pending.untouched.push(r.message.id);
+            }
+            !back
+        });
+    }
+
+    /// Gives back everything waiting (shutdown, or the store failed).
+    fn give_back_ready(&mut self) {
+        let pending = &mut self.pending;
+        pending
+            .untouched
+            .extend(self.ready.drain(..).map(|r| r.message.id));
+    }
+}
+
+/// Messages per transport send: a quarter of the window, so that while
+/// some sends wait for their confirms others go out, and the window stays
+/// full (a continuous window rather than send-a-batch-then-wait).
+fn send_group_size(concurrency: usize) -> usize {
+    concurrency.div_ceil(4).max(1)
+}

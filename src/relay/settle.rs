@@ -1,0 +1,251 @@
+//! Settling: recording in the store what deliveries ended in.
+//!
+//! Whatever finished since the last store call is recorded together
+//! (rule "Scheduling" in `docs/rules.md`): deliveries first, so nothing
+//! delivered is delivered again because later bookkeeping failed; then
+//! counted failures, deferrals and releases. An error on one record does
+//! not abandon the others; the first error is returned after all were
+//! tried.
+
+use outbox_api::{
+    ClaimRequest, Error, FailOutcome, Failure, Message, MessageId, Release, Result, Timestamp,
+};
+
+use super::{DrainReport, Relay, Unavailable, lock};
+
+/// What finished since the last store call and is not yet recorded.
+#[derive(Debug, Default)]
+pub(super) struct Settlement {
+    /// Delivered: mark processed.
+    pub done: Vec<MessageId>,
+    /// Counted failures, with their error.
+    pub failed: Vec<(Message, String)>,
+    /// Handler temporarily unavailable: give back until the given time.
+    pub deferred: Vec<(MessageId, String, Timestamp)>,
+    /// The transport was unavailable: give back with the outage noted.
+    pub outage: Vec<MessageId>,
+    /// The latest outage's reason.
+    pub outage_reason: Option<String>,
+    /// Claimed but not attempted (a key's earlier message did not get
+    /// through, the lease was too short, shutdown): give back as they were.
+    pub untouched: Vec<MessageId>,
+}
+
+impl Settlement {
+    pub(super) fn is_empty(&self) -> bool {
+        self.done.is_empty()
+            && self.failed.is_empty()
+            && self.deferred.is_empty()
+            && self.outage.is_empty()
+            && self.untouched.is_empty()
+    }
+
+    /// Whether only deliveries are waiting (a claim may then ride along).
+    fn only_done(&self) -> bool {
+        !self.done.is_empty()
+            && self.failed.is_empty()
+            && self.deferred.is_empty()
+            && self.outage.is_empty()
+            && self.untouched.is_empty()
+    }
+}
+
+/// What one store round did.
+pub(super) struct Round {
+    pub report: DrainReport,
+    /// The claim's messages, if a claim was asked for and succeeded.
+    pub claimed: Option<Vec<Message>>,
+    /// The first error of the round.
+    pub error: Option<Error>,
+}
+
+impl Relay {
+    /// Records `s`, then claims with `claim` if given: one store round. When
+    /// only deliveries are waiting, the claim rides with their completion
+    /// ([`Store::complete_and_claim`](outbox_api::Store::complete_and_claim)).
+    pub(super) async fn settle_and_claim(
+        &self,
+        s: Settlement,
+        claim: Option<ClaimRequest>,
+    ) -> Round {
+        let store = &self.inner.store;
+        let mut report = DrainReport::default();
+        let mut first_error: Option<Error> = None;
+        let mut note = |e: Error, what: &str| {
+            tracing::error!(error = %e, "{what}");
+            first_error.get_or_insert(e);
+        };
+        let now = self.now();
+        let mut claimed = None;
+        let mut claim = claim;
+        if s.only_done() && claim.is_some() {
+            let request = claim.take().expect("checked");
+            match store.complete_and_claim(&s.done, now, &request).await {
+                Ok(messages) => {
+                    report.delivered += s.done.len() as u64;
+                    claimed = Some(messages);
+                }
+                // The claim may have taken the completion down with it (one
+                // transaction): complete alone below, then claim alone.
+                Err(e) => {
+                    tracing::warn!(error = %e, "completing with the next claim failed; completing alone");
+                    claim = Some(request);
+                }
+            }
+        }
+        if claimed.is_none() && !s.done.is_empty() {
+            match store.complete(&s.done, now).await {
+                Ok(()) => report.delivered += s.done.len() as u64,
+                Err(e) => note(
+                    e,
+                    "could not mark delivered messages processed; they are delivered again after their lease",
+                ),
+            }
+        }
+        for (m, error) in &s.failed {
+            if let Err(e) = self.record_failure(m, error, &mut report).await {
+                note(
+                    e,
+                    "could not record a failed delivery; it is tried again after its lease",
+                );
+            }
+        }
+        for (id, error, until) in &s.deferred {
+            let release = self.release_of(vec![*id], Some(error.clone()), *until);
+            match store.release(&release).await {
+                Ok(()) => report.deferred += 1,
+                Err(e) => note(
+                    e,
+                    "could not defer a message; it is tried again after its lease",
+                ),
+            }
+        }
+        if !s.outage.is_empty() {
+            let error = s
+                .outage_reason
+                .as_ref()
+                .map(|r| format!("transport unavailable: {r}"));
+            let release = self.release_of(s.outage.clone(), error, now);
+            match store.release(&release).await {
+                Ok(()) => report.released += s.outage.len() as u64,
+                Err(e) => note(
+                    e,
+                    "could not release messages after an outage; they wait for their lease",
+                ),
+            }
+        }
+        if !s.untouched.is_empty() {
+            let release = self.release_of(s.untouched.clone(), None, now);
+            match store.release(&release).await {
+                Ok(()) => report.released += s.untouched.len() as u64,
+                Err(e) => note(
+                    e,
+                    "could not release unattempted messages; they wait for their lease",
+                ),
+            }
+        }
+        drop(note);
+        if let Some(request) = claim.filter(|_| first_error.is_none()) {
+            match store.claim(&request).await {
+                Ok(messages) => claimed = Some(messages),
+                Err(e) => {
+                    tracing::error!(error = %e, "could not claim");
+                    first_error = Some(e);
+                }
+            }
+        }
+        self.inner.counters.add(&report);
+        Round {
+            report,
+            claimed,
+            error: first_error,
+        }
+    }
+
+    fn release_of(&self, ids: Vec<MessageId>, error: Option<String>, at: Timestamp) -> Release {
+        Release {
+            worker: self.inner.config.worker_id.clone(),
+            ids,
+            error,
+            available_at: at,
+        }
+    }
+
+    async fn record_failure(
+        &self,
+        m: &Message,
+        error: &str,
+        report: &mut DrainReport,
+    ) -> Result<()> {
+        let cfg = &self.inner.config;
+        let now = self.now();
+        let retry_at = now.add(cfg.retry_policy.delay(m.attempts + 1, cfg.poll_interval));
+        let outcome = self
+            .inner
+            .store
+            .fail(&Failure {
+                worker: cfg.worker_id.clone(),
+                id: m.id,
+                error: error.to_owned(),
+                retry_at,
+                max_attempts: cfg.max_attempts,
+                now,
+            })
+            .await?;
+        match outcome {
+            FailOutcome::Retrying { attempts } => {
+                report.failed += 1;
+                tracing::warn!(message.id = %m.id, message.type = %m.message_type, attempts, %error, "delivery failed; will retry");
+            }
+            FailOutcome::Poisoned { attempts } => {
+                report.poisoned += 1;
+                tracing::error!(message.id = %m.id, message.type = %m.message_type, attempts, %error, "message poisoned after its last attempt; it waits for an operator");
+            }
+            FailOutcome::LeaseLost => {
+                tracing::warn!(message.id = %m.id, "lease lost before the failure was recorded; another relay owns the message");
+            }
+        }
+        Ok(())
+    }
+
+    /// When a message whose handler said "temporarily unavailable" is tried
+    /// again: the handler's own delay if it gave one, else a backoff that
+    /// doubles with each unavailable answer of the type in a row (with
+    /// jitter), capped. Remembers the type as unavailable for health.
+    pub(super) fn defer_until(
+        &self,
+        m: &Message,
+        reason: &str,
+        requested: Option<std::time::Duration>,
+    ) -> Timestamp {
+        let cfg = &self.inner.config;
+        let now = self.now();
+        let mut map = lock(&self.inner.unavailable);
+        let entry = map
+            .entry(m.message_type.clone())
+            .or_insert_with(|| Unavailable {
+                since: now,
+                reason: String::new(),
+                streak: 0,
+            });
+        entry.reason = reason.to_owned();
+        entry.streak = entry.streak.saturating_add(1);
+        let delay = requested.unwrap_or_else(|| {
+            let doubled = cfg
+                .unavailable_initial
+                .saturating_mul(1u32 << (entry.streak - 1).min(16));
+            let capped = doubled.min(cfg.unavailable_max);
+            // Up to a quarter less, so that many deferred messages spread out.
+            capped.mul_f64(1.0 - fastrand::f64() * 0.25)
+        });
+        now.add(delay)
+    }
+
+    /// A handler of `message_type` succeeded: it is available again.
+    pub(super) fn handler_available(&self, message_type: &str) {
+        let mut map = lock(&self.inner.unavailable);
+        if !map.is_empty() && map.remove(message_type).is_some() {
+            tracing::info!(message.type = %message_type, "handler is available again");
+        }
+    }
+}

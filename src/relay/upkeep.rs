@@ -1,0 +1,117 @@
+//! Upkeep beside the deliveries: the retention purge and health.
+
+use std::sync::atomic::Ordering;
+
+use outbox_api::{HealthReport, HealthStatus, Result, TransportHealth};
+
+use super::{Relay, lock};
+
+impl Relay {
+    /// Deletes processed messages older than the retention, in small batches.
+    pub async fn purge(&self) -> Result<u64> {
+        let Some(retention) = self.inner.config.retention else {
+            return Ok(0);
+        };
+        let before = self.now().sub(retention);
+        let store = &self.inner.store;
+        // Batches with rests between them: see `outbox_api::purge`.
+        outbox_api::purge::purge_in_batches(
+            self.inner.config.purge_batch,
+            || self.stopping(),
+            |limit| store.purge_processed(before, limit),
+        )
+        .await
+    }
+
+    /// Purges past retention every `purge_interval` until shutdown; runs
+    /// beside the delivery loop, so a long purge never delays deliveries.
+    pub(super) async fn purge_loop(self) {
+        let mut shutdown = self.inner.shutdown.subscribe();
+        while !*shutdown.borrow() {
+            match self.purge().await {
+                Ok(n) if n > 0 => {
+                    tracing::info!(purged = n, "purged processed messages past retention")
+                }
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "purge failed; will retry"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.inner.config.purge_interval) => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    /// The relay's health (rule "Health" in `docs/rules.md`): Unhealthy
+    /// when the relay is not running (stopped, or its task died); Degraded
+    /// on an old backlog, poison, a transport that is down, a handler that
+    /// says it is temporarily unavailable, or a store error; else Healthy.
+    pub async fn health(&self) -> HealthReport {
+        let cfg = &self.inner.config;
+        let mut reasons = Vec::new();
+        let running = self.inner.running.load(Ordering::SeqCst);
+        let transport = self.inner.gate.health();
+        let (pending, poisoned, oldest) = match self.inner.store.backlog().await {
+            Ok(s) => (
+                s.pending,
+                s.poisoned,
+                s.oldest_pending_created_at.map(|t| self.now().since(t)),
+            ),
+            Err(e) => {
+                reasons.push(format!("cannot read the outbox: {e}"));
+                (0, 0, None)
+            }
+        };
+        if let Some(e) = lock(&self.inner.last_store_error).clone() {
+            reasons.push(format!("last store error: {e}"));
+        }
+        if let Some(age) = oldest.filter(|a| *a > cfg.backlog_age_alert) {
+            reasons.push(format!(
+                "oldest pending message is {}s old (alert at {}s)",
+                age.as_secs(),
+                cfg.backlog_age_alert.as_secs()
+            ));
+        }
+        if poisoned > 0 {
+            reasons.push(format!(
+                "{poisoned} poisoned message(s) wait for an operator"
+            ));
+        }
+        if let TransportHealth::Down(r) = &transport {
+            reasons.push(format!("transport down: {r}"));
+        }
+        {
+            let unavailable = lock(&self.inner.unavailable);
+            let mut types: Vec<_> = unavailable.iter().collect();
+            types.sort_by(|a, b| a.0.cmp(b.0));
+            for (message_type, u) in types {
+                reasons.push(format!(
+                    "handler of `{message_type}` temporarily unavailable for {}s ({} uncounted retries): {}",
+                    self.now().since(u.since).as_secs(),
+                    u.streak,
+                    u.reason
+                ));
+            }
+        }
+        let status = if !running {
+            match lock(&self.inner.crashed).clone() {
+                Some(why) => reasons.insert(0, format!("relay is not running: {why}")),
+                None => reasons.insert(0, "relay is not running".into()),
+            }
+            HealthStatus::Unhealthy
+        } else if reasons.is_empty() {
+            HealthStatus::Healthy
+        } else {
+            HealthStatus::Degraded
+        };
+        HealthReport {
+            status,
+            reasons,
+            pending,
+            poisoned,
+            oldest_pending_age: oldest,
+            transport,
+            relay_running: running,
+        }
+    }
+}
