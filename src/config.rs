@@ -14,8 +14,8 @@ pub struct RelayConfig {
     /// Give a relay a **stable** id (say, the host or pod name) and, when it
     /// restarts after a crash, it takes back the leases its previous process
     /// held at once instead of waiting for them to expire. A stable id must
-    /// belong to one live relay at a time: a second relay over the same
-    /// store in the same process is refused at spawn; across processes that
+    /// belong to one live relay at a time: a second live relay with the same
+    /// id in the same process is refused at spawn; across processes that
     /// is the deployment's duty (a twin would take the live relay's leases
     /// at its start, causing duplicate deliveries — never a loss).
     pub worker_id: String,

@@ -160,8 +160,8 @@ impl RelayBuilder {
     }
 }
 
-/// The relays running in this process: (store, worker id).
-pub(super) fn live_workers() -> &'static Mutex<HashSet<(usize, String)>> {
-    static LIVE: OnceLock<Mutex<HashSet<(usize, String)>>> = OnceLock::new();
+/// The worker ids of the relays running in this process.
+pub(super) fn live_workers() -> &'static Mutex<HashSet<String>> {
+    static LIVE: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     LIVE.get_or_init(Default::default)
 }

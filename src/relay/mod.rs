@@ -170,14 +170,12 @@ impl Relay {
     /// (a panic in a store or transport), the relay reports Unhealthy and
     /// [`RelayHandle::until_idle`] fails, naming the panic.
     ///
-    /// Refuses a `worker_id` that a relay running in this process over the
-    /// same store already uses: a relay takes back at start the leases held
-    /// under its id (see [`RelayConfig::worker_id`]), which would take them
-    /// from the live one.
+    /// Refuses a `worker_id` that a relay running in this process already
+    /// uses: a relay takes back at start the leases held under its id (see
+    /// [`RelayConfig::worker_id`]), which would take them from the live one.
     pub fn spawn(self) -> Result<RelayHandle> {
         let id = self.inner.config.worker_id.clone();
-        let registered = self.registration();
-        if !lock(builder::live_workers()).insert(registered.clone()) {
+        if !lock(builder::live_workers()).insert(id.clone()) {
             return Err(outbox_api::Error::config(
                 "worker_id",
                 format!(
@@ -189,7 +187,7 @@ impl Relay {
         let relay = self.clone();
         let task = tokio::spawn(async move {
             let outcome = AssertUnwindSafe(relay.clone().run()).catch_unwind().await;
-            lock(builder::live_workers()).remove(&registered);
+            lock(builder::live_workers()).remove(&relay.inner.config.worker_id);
             if let Err(panic) = outcome {
                 let text = format!("relay task panicked: {}", panic_message(&*panic));
                 tracing::error!(worker = %relay.inner.config.worker_id, "{text}");
@@ -199,13 +197,6 @@ impl Relay {
             }
         });
         Ok(RelayHandle::new(self, task))
-    }
-
-    /// This relay's entry among the live relays of the process: its store
-    /// and its worker id.
-    fn registration(&self) -> (usize, String) {
-        let store = Arc::as_ptr(&self.inner.store) as *const () as usize;
-        (store, self.inner.config.worker_id.clone())
     }
 
     fn now(&self) -> Timestamp {

@@ -91,11 +91,17 @@ pub fn handlers(log: &Log) -> Handlers {
         })
 }
 
+/// A worker id no other test of this process uses (a live id is refused).
+pub fn worker_id(name: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!("{name}-{}", NEXT.fetch_add(1, Ordering::SeqCst))
+}
+
 pub fn relay(f: &Fixture, clock: &Arc<ManualClock>, log: &Log) -> RelayBuilder {
     Relay::builder_shared(f.store())
         .clock(clock.clone())
         .dispatcher(handlers(log))
-        .worker_id("relay-a".into())
+        .worker_id(worker_id("relay-a"))
 }
 
 pub fn relay_with_transport(
@@ -389,7 +395,7 @@ pub async fn many_relays_deliver_each_once(f: Fixture, clock: Arc<ManualClock>) 
             Relay::builder_shared(f.store())
                 .clock(clock.clone())
                 .dispatcher(handlers)
-                .worker_id(format!("relay-{w}"))
+                .worker_id(worker_id(&format!("relay-{w}")))
                 .batch_size(7)
                 .poll_interval(Duration::from_millis(20))
                 .spawn()
@@ -605,6 +611,229 @@ pub async fn waves_never_outlive_their_lease(f: Fixture, clock: Arc<ManualClock>
     }
 }
 
+/// No batch barrier: a slow handler holds one slot, never the relay. While
+/// one message's handler is stuck, every other key's messages — claimed in
+/// the same batch and in later ones — are delivered.
+pub async fn a_slow_handler_holds_one_slot(f: Fixture, clock: Arc<ManualClock>) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let log = Log::default();
+    let (g, l) = (gate.clone(), log.clone());
+    let handlers = handlers(&log).on_message("Stuck", move |m: &Message| {
+        let (g, l, m) = (g.clone(), l.clone(), m.clone());
+        async move {
+            let _permit = g.acquire().await.unwrap();
+            l.push(&m);
+            Ok::<_, std::io::Error>(())
+        }
+    });
+    let mut batch = vec![dmsg("Stuck", 0).key("slow")];
+    batch.extend((1..60).map(|n| dmsg("Ok", n).key(format!("k{n}"))));
+    let ids = f.enqueue(batch).await;
+    let relay = Relay::builder_shared(f.store())
+        .clock(clock.clone())
+        .dispatcher(handlers)
+        .batch_size(10)
+        .concurrency(4)
+        .build()
+        .unwrap();
+    let drain = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.drain().await }
+    });
+    wait_until(
+        "every other key is delivered while one handler is stuck",
+        || async { log.len() == 59 },
+    )
+    .await;
+    assert!(
+        !log.ids().contains(&ids[0]),
+        "the stuck one is still running"
+    );
+    assert_eq!(get(&f, ids[0]).await.state, MessageState::Pending);
+    gate.add_permits(1);
+    let report = tokio::time::timeout(DEADLINE, drain)
+        .await
+        .expect("the drain ends once the stuck handler returns")
+        .unwrap()
+        .unwrap();
+    assert_eq!(report.delivered, 60, "{report:?}");
+    assert_eq!(f.store().stats().await.unwrap().processed, 60);
+}
+
+/// With more messages than slots, a delivery still starts only if it can
+/// end within `handler_timeout` before its own lease does: waiting for a
+/// slot eats into the lease, and what waited too long goes back and is
+/// claimed again under a fresh lease.
+pub async fn deliveries_waiting_for_a_slot_never_outlive_their_lease(
+    f: Fixture,
+    clock: Arc<ManualClock>,
+) {
+    type Call = (String, Timestamp, Option<Timestamp>);
+    let calls: Arc<Mutex<Vec<Call>>> = Default::default();
+    let (c, store, k) = (calls.clone(), f.store(), clock.clone());
+    let handlers = Handlers::new().on_message("Timed", move |m: &Message| {
+        let (c, store, k, m) = (c.clone(), store.clone(), k.clone(), m.clone());
+        async move {
+            let row = store.get(m.id).await.unwrap().expect("claimed row");
+            c.lock().unwrap().push((
+                String::from_utf8_lossy(&m.payload).into_owned(),
+                k.now_ts(),
+                row.locked_until,
+            ));
+            // Each handler takes 20 s of the 60 s lease.
+            k.advance(Duration::from_secs(20));
+            Ok::<_, std::io::Error>(())
+        }
+    });
+    // Keyless: nothing orders them but the single slot.
+    let ids = f.enqueue((0..4).map(|n| dmsg("Timed", n)).collect()).await;
+    let relay = Relay::builder_shared(f.store())
+        .clock(clock.clone())
+        .dispatcher(handlers)
+        .concurrency(1)
+        .lease(Duration::from_secs(60))
+        .handler_timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let report = relay.drain().await.unwrap();
+    let calls = calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 4, "each once: {calls:?}");
+    for (text, started, until) in &calls {
+        let until = until.expect("a handler runs on a leased message");
+        assert!(
+            started.add(Duration::from_secs(30)) <= until,
+            "message {text} started at {started:?} on a lease ending {until:?}"
+        );
+    }
+    assert!(report.released >= 2, "waiting ones went back: {report:?}");
+    for id in ids {
+        let m = get(&f, id).await;
+        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0));
+    }
+}
+
+/// A handler that says "temporarily unavailable" is retried with backoff
+/// and never counted: more unavailable answers than `max_attempts` poison
+/// nothing, health names the handler meanwhile, and once it answers again
+/// the message is delivered and health is back.
+pub async fn an_unavailable_handler_is_retried_uncounted(f: Fixture, clock: Arc<ManualClock>) {
+    let refusals = Arc::new(AtomicUsize::new(8));
+    let r = refusals.clone();
+    let log = Log::default();
+    let l = log.clone();
+    let handlers = handlers(&log).on_message("Flaky", move |m: &Message| {
+        let (r, l, m) = (r.clone(), l.clone(), m.clone());
+        async move {
+            if r.load(Ordering::SeqCst) > 0 {
+                r.fetch_sub(1, Ordering::SeqCst);
+                return Err(
+                    outbox::TemporarilyUnavailable::new("the warehouse answers 503").into(),
+                );
+            }
+            l.push(&m);
+            Ok::<_, outbox::HandlerError>(())
+        }
+    });
+    let ids = f
+        .enqueue(vec![dmsg("Flaky", 1).key("k"), dmsg("Ok", 2).key("k")])
+        .await;
+    let handle = Relay::builder_shared(f.store())
+        .clock(clock.clone())
+        .dispatcher(handlers)
+        .max_attempts(3)
+        .unavailable_initial(Duration::from_secs(1))
+        .unavailable_max(Duration::from_secs(4))
+        .poll_interval(Duration::from_millis(10))
+        .spawn()
+        .unwrap();
+    wait_until("the first refusal is recorded", || async {
+        refusals.load(Ordering::SeqCst) < 8
+    })
+    .await;
+    handle.until_idle().await.unwrap();
+    let m = get(&f, ids[0]).await;
+    assert_eq!((m.state, m.attempts), (MessageState::Pending, 0), "{m:?}");
+    assert!(
+        m.last_error.unwrap().contains("temporarily unavailable"),
+        "the reason is kept for operators"
+    );
+    assert!(m.available_at > clock.now_ts(), "retried after a backoff");
+    let health = handle.health().await;
+    assert_eq!(health.status, HealthStatus::Degraded, "{health:?}");
+    assert!(
+        health
+            .reasons
+            .iter()
+            .any(|r| r.contains("`Flaky`") && r.contains("503")),
+        "{health:?}"
+    );
+    while refusals.load(Ordering::SeqCst) > 0 {
+        clock.advance(Duration::from_secs(5));
+        handle.until_idle().await.unwrap();
+    }
+    clock.advance(Duration::from_secs(5));
+    wait_until("delivered once the handler answers", || async {
+        get(&f, ids[1]).await.state == MessageState::Processed
+    })
+    .await;
+    let m = get(&f, ids[0]).await;
+    assert_eq!((m.state, m.attempts), (MessageState::Processed, 0));
+    assert_eq!(log.ids(), ids, "once each, in key order");
+    wait_until("health is back", || async {
+        handle.health().await.status == HealthStatus::Healthy
+    })
+    .await;
+    handle.shutdown().await;
+}
+
+/// A relay restarted with the same stable `worker_id` takes back the leases
+/// its previous process held at once, instead of waiting for them to expire.
+pub async fn a_restarted_relay_takes_back_its_own_leases(f: Fixture, clock: Arc<ManualClock>) {
+    let id = worker_id("orders-relay");
+    let ids = f
+        .enqueue((0..3).map(|n| dmsg("Ok", n).key("k")).collect())
+        .await;
+    // The previous process claimed them under a 60 s lease and died.
+    let claimed = f
+        .store()
+        .claim(&ClaimRequest {
+            worker: id.clone(),
+            limit: 10,
+            lease: Duration::from_secs(60),
+            now: clock.now_ts(),
+            kind: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(claimed.len(), 3);
+    let log = Log::default();
+    let stranger = relay(&f, &clock, &log)
+        .worker_id("someone-else".into())
+        .build()
+        .unwrap();
+    assert_eq!(
+        stranger.drain().await.unwrap().batches,
+        0,
+        "another id waits for the lease"
+    );
+    let handle = relay(&f, &clock, &log)
+        .worker_id(id.clone())
+        .spawn()
+        .unwrap();
+    wait_until(
+        "the restarted relay delivers without waiting out the lease",
+        || async { log.len() == 3 },
+    )
+    .await;
+    assert_eq!(log.ids(), ids, "in key order");
+    let twin = relay(&f, &clock, &log).worker_id(id.clone()).spawn();
+    assert!(
+        twin.unwrap_err().to_string().contains("already used"),
+        "a second live relay with the same id over the same store is refused"
+    );
+    handle.shutdown().await;
+}
+
 /// Shutdown stops claiming, finishes in-flight work and gives unfinished
 /// leases back; afterwards health is Unhealthy.
 pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>) {
@@ -626,7 +855,7 @@ pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>)
     let handle = Relay::builder_shared(f.store())
         .clock(clock.clone())
         .dispatcher(handlers)
-        .worker_id("stopping".into())
+        .worker_id(worker_id("stopping"))
         .spawn()
         .unwrap();
     wait_until("the first message is in flight", || async {
@@ -805,7 +1034,10 @@ macro_rules! semantics_tests {
             many_relays_deliver_each_once, per_key_order, poison_parks_only_its_key,
             retention_purges_in_batches, waves_never_outlive_their_lease,
             shutdown_finishes_and_releases, health_reports,
-            commit_wakes_relay, bad_configuration_is_refused);
+            commit_wakes_relay, bad_configuration_is_refused, a_slow_handler_holds_one_slot,
+            deliveries_waiting_for_a_slot_never_outlive_their_lease,
+            an_unavailable_handler_is_retried_uncounted,
+            a_restarted_relay_takes_back_its_own_leases);
     };
     (@each $backend:ty; $($name:ident),* $(,)?) => {
         $(
