@@ -59,6 +59,12 @@ pub(super) struct Round {
     pub error: Option<Error>,
 }
 
+/// Logs a store error of a settle step and keeps the first.
+fn note(first: &mut Option<Error>, e: Error, what: &str) {
+    tracing::error!(error = %e, "{what}");
+    first.get_or_insert(e);
+}
+
 impl Relay {
     /// Records `s`, then claims with `claim` if given: one store round. When
     /// only deliveries are waiting, the claim rides with their completion
@@ -71,10 +77,6 @@ impl Relay {
         let store = &self.inner.store;
         let mut report = DrainReport::default();
         let mut first_error: Option<Error> = None;
-        let mut note = |e: Error, what: &str| {
-            tracing::error!(error = %e, "{what}");
-            first_error.get_or_insert(e);
-        };
         let now = self.now();
         let mut claimed = None;
         let mut claim = claim;
@@ -97,6 +99,7 @@ impl Relay {
             match store.complete(&s.done, now).await {
                 Ok(()) => report.delivered += s.done.len() as u64,
                 Err(e) => note(
+                    &mut first_error,
                     e,
                     "could not mark delivered messages processed; they are delivered again after their lease",
                 ),
@@ -105,6 +108,7 @@ impl Relay {
         for (m, error) in &s.failed {
             if let Err(e) = self.record_failure(m, error, &mut report).await {
                 note(
+                    &mut first_error,
                     e,
                     "could not record a failed delivery; it is tried again after its lease",
                 );
@@ -115,6 +119,7 @@ impl Relay {
             match store.release(&release).await {
                 Ok(()) => report.deferred += 1,
                 Err(e) => note(
+                    &mut first_error,
                     e,
                     "could not defer a message; it is tried again after its lease",
                 ),
@@ -129,6 +134,7 @@ impl Relay {
             match store.release(&release).await {
                 Ok(()) => report.released += s.outage.len() as u64,
                 Err(e) => note(
+                    &mut first_error,
                     e,
                     "could not release messages after an outage; they wait for their lease",
                 ),
@@ -139,19 +145,16 @@ impl Relay {
             match store.release(&release).await {
                 Ok(()) => report.released += s.untouched.len() as u64,
                 Err(e) => note(
+                    &mut first_error,
                     e,
                     "could not release unattempted messages; they wait for their lease",
                 ),
             }
         }
-        drop(note);
         if let Some(request) = claim.filter(|_| first_error.is_none()) {
             match store.claim(&request).await {
                 Ok(messages) => claimed = Some(messages),
-                Err(e) => {
-                    tracing::error!(error = %e, "could not claim");
-                    first_error = Some(e);
-                }
+                Err(e) => note(&mut first_error, e, "could not claim"),
             }
         }
         self.inner.counters.add(&report);
