@@ -171,6 +171,88 @@ async fn original_configuration(backlog: usize, samples: usize) -> (f64, Duratio
     (throughput, total / samples as u32)
 }
 
+/// Whether message `i` of the slow-handler figures is slow: 1 in 100, at
+/// most one per key (key `i % 1000`, position `i / 1000` in its key), so
+/// no key chains two slow handlers and the slot time is the only bound.
+fn is_slow(i: usize) -> bool {
+    (i % 1000 + 37 * (i / 1000)) % 100 == 0
+}
+
+fn slow_handlers(
+    slow: Duration,
+    done: Option<tokio::sync::mpsc::UnboundedSender<(usize, Instant)>>,
+) -> Handlers {
+    Handlers::new().on_message("Bench", move |m: &Message| {
+        let i = usize::from_le_bytes(m.payload[..8].try_into().unwrap());
+        let done = done.clone();
+        async move {
+            if is_slow(i) {
+                tokio::time::sleep(slow).await;
+            }
+            if let Some(done) = done {
+                let _ = done.send((i, Instant::now()));
+            }
+            Ok::<_, std::io::Error>(())
+        }
+    })
+}
+
+fn keyed(i: usize) -> NewMessage {
+    NewMessage::new(MessageKind::Domain, "Bench", i.to_le_bytes().to_vec())
+        .key(format!("key-{}", i % 1000))
+}
+
+/// Drains `n` keyed messages of which 1 in 100 sleeps `slow` (async);
+/// returns msg/s and the slot-time bound in msg/s: the slow handlers alone
+/// occupy `slow_count × slow / concurrency` of the slots.
+async fn drain_with_slow(n: usize, batch: usize, concurrency: usize) -> (f64, f64) {
+    let slow = Duration::from_millis(100);
+    let store = MemoryStore::new();
+    fill_with(&store, n, keyed);
+    let relay = Relay::builder(store)
+        .dispatcher(slow_handlers(slow, None))
+        .batch_size(batch)
+        .concurrency(concurrency);
+    let rate = drain_rate(relay, n).await;
+    let slow_count = (0..n).filter(|&i| is_slow(i)).count();
+    let bound_secs = slow_count as f64 * slow.as_secs_f64() / concurrency as f64;
+    (rate, n as f64 / bound_secs)
+}
+
+/// Commit → handled of the fast messages while 1 in 100 handlers sleeps
+/// 100 ms, at `rate` msg/s offered on a fixed schedule (open loop).
+async fn latency_with_slow(rate: u64, secs: u64) -> hdrhistogram::Histogram<u64> {
+    let store = MemoryStore::new();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let relay = Relay::builder(store.clone())
+        .dispatcher(slow_handlers(Duration::from_millis(100), Some(tx)))
+        .spawn()
+        .unwrap();
+    relay.until_idle().await.unwrap();
+    let n = (rate * secs) as usize;
+    let gap = Duration::from_nanos(1_000_000_000 / rate);
+    let start = Instant::now();
+    let mut scheduled = Vec::with_capacity(n);
+    for i in 0..n {
+        let at = start + gap * i as u32;
+        tokio::time::sleep_until(at.into()).await;
+        fill_with(&store, 1, |_| keyed(i));
+        scheduled.push(at);
+    }
+    let mut hist = histogram();
+    let mut seen = 0;
+    while seen < n {
+        let (i, at) = rx.recv().await.unwrap();
+        seen += 1;
+        if !is_slow(i) {
+            hist.record(at.duration_since(scheduled[i]).as_micros() as u64)
+                .unwrap();
+        }
+    }
+    relay.shutdown().await;
+    hist
+}
+
 pub async fn figures(quick: bool) -> Vec<Figure> {
     let n = if quick { 10_000 } else { 100_000 };
     let mut out = Vec::new();
@@ -187,6 +269,26 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
             .beside("bare claim+complete loop, memory store", bare),
         );
     }
+    let slow_n = if quick { 5_000 } else { 20_000 };
+    for batch in [20, 64] {
+        let (relay, bound) = drain_with_slow(slow_n, batch, 64).await;
+        out.push(
+            Figure::new(
+                format!("drain {slow_n} keyed, 1 % slow handlers (100 ms), memory, batch {batch}, concurrency 64"),
+                relay,
+                "msg/s",
+                "≥ 0.8 of the bound",
+            )
+            .beside("slot-time bound: slow × 100 ms / concurrency", bound),
+        );
+    }
+    let hist = latency_with_slow(1000, if quick { 1 } else { 5 }).await;
+    out.extend(latency_rows(
+        "commit → handled of the fast messages, 1 % slow handlers (100 ms), 1k msg/s open loop, memory",
+        &hist,
+        "—",
+        "—",
+    ));
     let hist = latency(if quick { 300 } else { 3000 }, Duration::from_micros(500)).await;
     out.extend(latency_rows(
         "commit → handled, memory, light load",
