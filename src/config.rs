@@ -4,8 +4,10 @@ use std::time::Duration;
 
 use outbox_api::{Error, Result, RetryPolicy};
 
-/// Everything a relay can be told; every default follows DESIGN §5 (the
-/// system outbox-rs implements), and every field is checked at `build()`.
+/// Everything a relay can be told; every default is the one stated in
+/// `docs/rules.md` (those of the system outbox-rs replaces, see
+/// `docs/decisions.md#defaults-of-the-original-system`), and every field is
+/// checked at `build()`.
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RelayConfig {

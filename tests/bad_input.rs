@@ -1,8 +1,9 @@
-//! Property test of user input (issue 7): arbitrary message types, keys,
-//! header names and values, and payloads (empty, non-UTF-8, large). Each
-//! message is either refused at enqueue with an error naming what was
-//! wrong — and nothing is written — or accepted and delivered intact. The
-//! relay never panics and never gets stuck. Runs on memory and SQLite.
+//! Property test of user input (`docs/rules.md#bad-input-and-errors`):
+//! arbitrary message types, keys, header names and values, and payloads
+//! (empty, non-UTF-8, large). Each message is either refused at enqueue with
+//! an error naming what was wrong — and nothing is written — or accepted and
+//! delivered intact. The relay never panics and never gets stuck. Runs on
+//! memory and SQLite.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};

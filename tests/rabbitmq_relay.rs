@@ -565,9 +565,9 @@ async fn connection_cut_mid_run_loses_nothing_and_counts_no_attempt() {
     broker.cleanup().await;
 }
 
-/// (d) issue 7 part 3: random cuts of random length during a 10k-message
-/// run (`OUTBOX_SOAK=1`: 100k messages and more cuts): nothing lost, no
-/// attempt counted.
+/// (d) `docs/rules.md#outage`: random cuts of random length during a
+/// 10k-message run (`OUTBOX_SOAK=1`: 100k messages and more cuts): nothing
+/// lost, no attempt counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_cuts_during_a_long_run_lose_nothing() {
     let soak = std::env::var("OUTBOX_SOAK").is_ok_and(|v| v == "1");

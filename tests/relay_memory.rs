@@ -1,4 +1,4 @@
-//! The relay rules of DESIGN §5 on the in-memory backend.
+//! The relay rules of `docs/rules.md` on the in-memory backend.
 
 mod semantics;
 

@@ -1,5 +1,5 @@
-//! The relay rules of DESIGN §5 on the SQLite backend (the same test bodies
-//! as on memory).
+//! The relay rules of `docs/rules.md` on the SQLite backend (the same test
+//! bodies as on memory).
 
 mod semantics;
 

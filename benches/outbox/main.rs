@@ -1,8 +1,9 @@
-//! `cargo bench --bench outbox`: every figure of DESIGN §9, each beside a
-//! baseline measured in the same run where one applies. Prints a table and
-//! writes `target/outbox-bench/summary.json`. `OUTBOX_BENCH_QUICK=1` runs a
-//! smoke version (CI runs it so the benches never rot). RabbitMQ figures
-//! need `OUTBOX_AMQP_URL`; without it their row says NOT MEASURED.
+//! `cargo bench --bench outbox`: every figure of `docs/performance.md`, each
+//! beside a baseline measured in the same run where one applies. Prints a
+//! table and writes `target/outbox-bench/summary.json`.
+//! `OUTBOX_BENCH_QUICK=1` runs a smoke version (CI runs it so the benches
+//! never rot). RabbitMQ figures need `OUTBOX_AMQP_URL`; without it their row
+//! says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
 //! (memory, sqlite, rabbitmq).
 

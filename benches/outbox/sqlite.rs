@@ -507,7 +507,8 @@ fn paced_writer(
 
 /// Enqueue latency while the relay's retention purge deletes `n` processed
 /// rows in batches, beside the same writer with no purge running, and
-/// beside one unbatched `DELETE` of the same rows (what PEERS.md warns of).
+/// beside one unbatched `DELETE` of the same rows (the failure of
+/// `docs/failures.md#the-table-grows-and-cleaning-it-blocks-writers`).
 async fn purge_vs_enqueue(n: usize, quick: bool) -> Vec<Figure> {
     use std::sync::atomic::AtomicBool;
     let dir = tempfile::tempdir().unwrap();

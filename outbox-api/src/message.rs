@@ -1,4 +1,5 @@
-//! The message model (DESIGN §3): what is stored in the outbox table.
+//! The message model (`docs/rules.md#message-model`): what is stored in the
+//! outbox table.
 
 use std::collections::BTreeMap;
 use std::fmt;

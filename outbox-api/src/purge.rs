@@ -19,10 +19,10 @@ pub fn rest_after(took: Duration) -> Duration {
 /// Between statements it rests [`rest_after`] the last one's duration. On
 /// SQLite a writer that finds the database locked sleeps in its busy
 /// handler for growing intervals (1, 2, 5, 10 … ms); statements run back to
-/// back would keep it out for the whole purge. Measured by the bench: a
-/// writer committing every millisecond saw p99 19 ms and a 105 ms stall
-/// while 300k rows were purged back to back, p99 1.7 ms and 6 ms max with
-/// the rests (0.13 ms and 4.5 ms with no purge).
+/// back would keep it out for the whole purge. The bench figure "enqueue tx
+/// latency while the relay purges N processed rows in batches of B" (beside
+/// the same writer with no purge, and one unbatched `DELETE`) shows what the
+/// rests buy; see `docs/decisions.md#purge-in-resting-batches-in-its-own-task`.
 pub async fn purge_in_batches<F, Fut>(
     limit: usize,
     mut stop: impl FnMut() -> bool,

@@ -401,8 +401,10 @@ impl Store for SqliteStore {
     }
 
     /// One blocking call and one transaction for both: between batches of
-    /// quick deliveries the hop to the blocking pool and the commit were
-    /// half of the relay's cost per batch.
+    /// quick deliveries the hop to the blocking pool and the commit are a
+    /// large part of the relay's cost per batch (bench figure "drain N to an
+    /// in-process handler, SQLite, batch 20";
+    /// `docs/decisions.md#complete_and_claim`).
     async fn complete_and_claim(
         &self,
         done: &[MessageId],

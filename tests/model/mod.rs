@@ -1,8 +1,9 @@
-//! Model-based property test of the relay (DESIGN §8): random sequences of
-//! enqueue (with and without key), commit and rollback, relay rounds,
-//! handlers that succeed, fail or panic, a transport that goes down or
-//! rejects, a relay that crashes after handling but before marking, relay
-//! restarts, clock jumps past leases and retries, and operator retries —
+//! Model-based property test of the relay
+//! (`docs/rules.md#how-the-rules-are-tested`): random sequences of enqueue
+//! (with and without key), commit and rollback, relay rounds, handlers that
+//! succeed, fail or panic, a transport that goes down or rejects, a relay
+//! that crashes after handling but before marking, relay restarts, clock
+//! jumps past leases and retries, and operator retries —
 //! checked after every step against what the model says may happen.
 #![allow(dead_code)]
 

@@ -1,5 +1,5 @@
-//! The relay rules of DESIGN §5, one test body per rule, run against every
-//! backend by `semantics_tests!`. Time that matters to a rule (leases,
+//! The relay rules of `docs/rules.md`, one test body per rule, run against
+//! every backend by `semantics_tests!`. Time that matters to a rule (leases,
 //! retries, backlog age) comes from a `ManualClock`; waits on a running
 //! relay use generous deadlines on conditions, never fixed sleeps.
 #![allow(dead_code)]
