@@ -5,14 +5,13 @@
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions,
@@ -23,8 +22,8 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 use outbox_api::{Error, HandlerError, MessageId, Result, Timestamp};
-use outbox_sqlite::SqliteOutbox;
 use outbox_sqlite::sqlx::{SqliteConnection, SqlitePool};
+use outbox_sqlite::{InboxOutcome, SqliteOutbox};
 use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout};
@@ -511,6 +510,10 @@ pub struct ConsumerStats {
     pub invalid: u64,
     /// Database failures (not counted as attempts): the delivery was requeued.
     pub store_errors: u64,
+    /// Deliveries whose handler said
+    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable):
+    /// tried again later, not counted as attempts.
+    pub deferred: u64,
     /// Connections opened after the first one.
     pub reconnects: u64,
 }
@@ -523,6 +526,7 @@ struct Counters {
     dead_lettered: AtomicU64,
     invalid: AtomicU64,
     store_errors: AtomicU64,
+    deferred: AtomicU64,
     reconnects: AtomicU64,
 }
 
@@ -635,6 +639,7 @@ impl ConsumerHandle {
             dead_lettered: get(&c.dead_lettered),
             invalid: get(&c.invalid),
             store_errors: get(&c.store_errors),
+            deferred: get(&c.deferred),
             reconnects: get(&c.reconnects),
         }
     }
@@ -651,14 +656,6 @@ struct Session {
     connection: Connection,
     channel: Channel,
     consumer: lapin::Consumer,
-}
-
-/// How handling one decoded delivery ended.
-enum Handled {
-    Committed,
-    Duplicate,
-    HandlerFailed(String),
-    StoreFailed(String),
 }
 
 /// Entries of the in-process attempt counter kept at most (oldest dropped).
@@ -909,26 +906,28 @@ impl Worker {
         &mut self,
         delivery: Delivery,
         received: &Received,
-        outcome: Handled,
+        outcome: InboxOutcome,
         span: &tracing::Span,
     ) -> bool {
         let id = received.id;
         let counters = &self.shared.counters;
         match outcome {
-            Handled::Committed => {
+            InboxOutcome::Committed => {
                 span.record("outcome", "handled");
                 bump(&counters.handled);
                 self.attempts.remove(&id);
                 settle(delivery.acker.ack(BasicAckOptions::default()).await)
             }
-            Handled::Duplicate => {
+            InboxOutcome::Duplicate => {
                 span.record("outcome", "duplicate");
                 bump(&counters.duplicates);
                 self.attempts.remove(&id);
                 tracing::debug!("already handled (inbox); acknowledging");
                 settle(delivery.acker.ack(BasicAckOptions::default()).await)
             }
-            Handled::HandlerFailed(error) if received.attempt >= self.settings.max_attempts => {
+            InboxOutcome::HandlerFailed(error)
+                if received.attempt >= self.settings.max_attempts =>
+            {
                 span.record("outcome", "dead-lettered");
                 bump(&counters.dead_lettered);
                 self.attempts.remove(&id);
@@ -944,7 +943,7 @@ impl Worker {
                         .await,
                 )
             }
-            Handled::HandlerFailed(error) => {
+            InboxOutcome::HandlerFailed(error) => {
                 span.record("outcome", "failed");
                 bump(&counters.retried);
                 self.remember_attempt(id, received.attempt);
@@ -956,7 +955,13 @@ impl Worker {
                 );
                 self.requeue(delivery).await
             }
-            Handled::StoreFailed(error) => {
+            InboxOutcome::HandlerUnavailable { reason, .. } => {
+                span.record("outcome", "unavailable");
+                bump(&counters.deferred);
+                tracing::warn!(%reason, "handler temporarily unavailable (not counted as an attempt); requeueing");
+                self.requeue(delivery).await
+            }
+            InboxOutcome::StoreFailed(error) => {
                 span.record("outcome", "store-failed");
                 bump(&counters.store_errors);
                 tracing::warn!(%error, "the inbox database failed (not counted as an attempt); requeueing");
@@ -1000,45 +1005,17 @@ impl Worker {
     }
 
     /// The inbox transaction around the handler.
-    async fn handle(&self, received: &Received) -> Handled {
-        let mut tx = match self.pool.begin_with("BEGIN IMMEDIATE").await {
-            Ok(tx) => tx,
-            Err(e) => return Handled::StoreFailed(format!("beginning the inbox transaction: {e}")),
-        };
-        match self
-            .outbox
-            .try_receive(&mut *tx, &self.shared.consumer_name, received.id)
+    async fn handle(&self, received: &Received) -> InboxOutcome {
+        let handler = &self.handler;
+        self.outbox
+            .receive_once(
+                &self.pool,
+                &self.shared.consumer_name,
+                received.id,
+                self.settings.handler_timeout,
+                async |tx| handler.handle(received, tx).await,
+            )
             .await
-        {
-            Ok(true) => {}
-            Ok(false) => {
-                let _ = tx.rollback().await;
-                return Handled::Duplicate;
-            }
-            Err(e) => {
-                let _ = tx.rollback().await;
-                return Handled::StoreFailed(e.to_string());
-            }
-        }
-        let limit = self.settings.handler_timeout;
-        let run = AssertUnwindSafe(self.handler.handle(received, &mut tx)).catch_unwind();
-        let failure = match timeout(limit, run).await {
-            Ok(Ok(Ok(()))) => None,
-            Ok(Ok(Err(e))) => Some(outbox_api::error_chain(&*e)),
-            Ok(Err(panic)) => Some(format!(
-                "handler panicked: {}",
-                outbox_api::panic_message(&*panic)
-            )),
-            Err(_) => Some(format!("handler timed out after {limit:?}")),
-        };
-        if let Some(error) = failure {
-            let _ = tx.rollback().await;
-            return Handled::HandlerFailed(error);
-        }
-        match tx.commit().await {
-            Ok(()) => Handled::Committed,
-            Err(e) => Handled::StoreFailed(format!("committing the inbox transaction: {e}")),
-        }
     }
 }
 
