@@ -10,10 +10,12 @@ use outbox_api::{Error, Result};
 use outbox_sqlite::SqliteOutbox;
 use outbox_sqlite::sqlx::SqlitePool;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 
 use super::InboxHandler;
+#[cfg(doc)]
+use super::Received;
 use super::handle::{ConsumerHandle, Counters, Shared, purge_inbox_loop};
+use super::order::Held;
 use super::session::Worker;
 use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 
@@ -26,23 +28,46 @@ use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 /// 1. Decode it into a [`Received`]. No `message_id`, or one that is not a
 ///    UUID: rejected without requeue (the queue's dead-letter exchange gets
 ///    it, if it has one), with a warning.
-/// 2. `BEGIN IMMEDIATE` on the pool; record `(consumer, message_id)` in the
-///    inbox with [`SqliteOutbox::try_receive`]. Recorded before (a
-///    duplicate): roll back and acknowledge — the handler does not run.
-/// 3. Run the [`InboxHandler`] with the message and the transaction; on
-///    `Ok`, commit, **then** acknowledge.
-/// 4. Handler error, panic or timeout: roll back and requeue the delivery
-///    (`basic.nack`, requeue, after `retry_delay`), counting the attempt in
-///    this process by message id; at `max_attempts`, reject it without
-///    requeue so that the queue's dead-letter exchange gets it.
-/// 5. The database failing (begin, inbox insert, commit): roll back and
-///    requeue after `retry_delay`, **not** counted (an outage must not
-///    dead-letter good messages).
+/// 2. If an earlier delivery of the same ordering key ([`Received::key`])
+///    waits for a retry, hold this one behind it (see *Order* below).
+/// 3. Run the inbox transaction,
+///    [`SqliteOutbox::receive_once`](outbox_sqlite::SqliteOutbox::receive_once):
+///    `BEGIN IMMEDIATE`; record `(consumer, message_id)` in the inbox — a
+///    duplicate is acknowledged without running the handler; run the
+///    [`InboxHandler`] (time limit, panics caught); on `Ok`, commit,
+///    **then** acknowledge.
+/// 4. Handler error, panic or timeout: rolled back; the delivery is tried
+///    again **in place** after [`retry_delay`](RabbitConsumerBuilder::retry_delay),
+///    counting the attempt in this process by message id; at
+///    [`max_attempts`](RabbitConsumerBuilder::max_attempts), it is rejected
+///    without requeue so that the queue's dead-letter exchange gets it.
+/// 5. The handler says
+///    [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable), or the
+///    database fails (begin, inbox insert, commit): rolled back and tried
+///    again in place after the
+///    [`unavailable_backoff`](RabbitConsumerBuilder::unavailable_backoff)
+///    (growing per consecutive try, capped; a handler's `retry_after` is
+///    honoured), **not** counted: an outage of a downstream must not
+///    dead-letter good messages.
+///
+/// # Order
+///
+/// Deliveries of one ordering key are handled in the order the broker
+/// delivers them, retries included: a delivery waiting for its retry holds
+/// back the later deliveries *of its key* (in memory, unacknowledged) until
+/// it is acknowledged or dead-lettered; other keys go on meanwhile. A
+/// message without a key holds nothing back. Held deliveries keep their
+/// prefetch slots: if `prefetch` of them wait behind one key, nothing else
+/// arrives until that key moves, so give `prefetch` room for the keys that
+/// may be retrying at once. A retry is never a requeue (`basic.nack` would
+/// put the delivery at the queue's head, behind the later deliveries of its
+/// key already buffered here), so [`Received::redelivered`] stays as the
+/// broker first said.
 ///
 /// When the connection is lost it reconnects with exponential backoff and
-/// consumes again; deliveries that were not acknowledged come back from the
-/// broker (redelivered) and the inbox turns them into no-ops if they had
-/// been committed.
+/// consumes again; deliveries that were not acknowledged, held ones
+/// included, come back from the broker (redelivered, in queue order) and the
+/// inbox turns them into no-ops if they had been committed.
 #[derive(Debug)]
 pub struct RabbitConsumer {
     _private: (),
@@ -70,6 +95,7 @@ impl RabbitConsumer {
             prefetch: RabbitConsumerBuilder::DEFAULT_PREFETCH,
             max_attempts: RabbitConsumerBuilder::DEFAULT_MAX_ATTEMPTS,
             retry_delay: RabbitConsumerBuilder::DEFAULT_RETRY_DELAY,
+            unavailable_backoff: RabbitConsumerBuilder::DEFAULT_UNAVAILABLE_BACKOFF,
             handler_timeout: RabbitConsumerBuilder::DEFAULT_HANDLER_TIMEOUT,
             inbox_retention: Some(RabbitConsumerBuilder::DEFAULT_INBOX_RETENTION),
             inbox_purge_interval: RabbitConsumerBuilder::DEFAULT_INBOX_PURGE_INTERVAL,
@@ -87,6 +113,7 @@ pub struct RabbitConsumerBuilder {
     pub(super) prefetch: u16,
     pub(super) max_attempts: u32,
     pub(super) retry_delay: Duration,
+    pub(super) unavailable_backoff: (Duration, Duration),
     pub(super) handler_timeout: Duration,
     pub(super) inbox_retention: Option<Duration>,
     pub(super) inbox_purge_interval: Duration,
@@ -106,6 +133,10 @@ impl RabbitConsumerBuilder {
     pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
     /// Default [`retry_delay`](Self::retry_delay): 200 ms.
     pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_millis(200);
+    /// Default [`unavailable_backoff`](Self::unavailable_backoff): 200 ms,
+    /// at most 30 s.
+    pub const DEFAULT_UNAVAILABLE_BACKOFF: (Duration, Duration) =
+        (Duration::from_millis(200), Duration::from_secs(30));
     /// Default [`handler_timeout`](Self::handler_timeout): 30 s.
     pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -124,16 +155,33 @@ impl RabbitConsumerBuilder {
 
     /// How many times a delivery whose handler fails is tried before it is
     /// rejected to the dead-letter exchange (default 3). Counted in this
-    /// process by message id: a restart starts counting again.
+    /// process by message id: a restart starts counting again. Only handler
+    /// errors, panics and timeouts count; `TemporarilyUnavailable` and
+    /// database failures do not.
     pub fn max_attempts(mut self, attempts: u32) -> Self {
         self.max_attempts = attempts;
         self
     }
 
-    /// How long a failed delivery waits before it is requeued (default
-    /// 200 ms); other deliveries go on meanwhile.
+    /// How long a delivery whose handler failed waits before it is tried
+    /// again, in place (default 200 ms). Later deliveries of its key wait
+    /// behind it; other keys go on meanwhile.
     pub fn retry_delay(mut self, delay: Duration) -> Self {
         self.retry_delay = delay;
+        self
+    }
+
+    /// First and longest delay before a delivery is tried again after an
+    /// outage — its handler said
+    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable), or the
+    /// inbox database failed — not counted as an attempt (defaults 200 ms
+    /// and 30 s; doubling per consecutive outage of that delivery, ±20 %
+    /// jitter). A handler's
+    /// [`retry_after`](outbox_api::TemporarilyUnavailable::retry_after) is
+    /// honoured as the least delay. Later deliveries of its key wait behind
+    /// it.
+    pub fn unavailable_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.unavailable_backoff = (first, max);
         self
     }
 
@@ -204,6 +252,13 @@ impl RabbitConsumerBuilder {
         if self.max_attempts == 0 {
             return Err(Error::config("max_attempts", "must be at least 1"));
         }
+        let (first, max) = self.unavailable_backoff;
+        if first.is_zero() || max < first {
+            return Err(Error::config(
+                "unavailable_backoff",
+                format!("needs 0 < first <= max (got {first:?} and {max:?})"),
+            ));
+        }
         if self.handler_timeout.is_zero() {
             return Err(Error::config(
                 "handler_timeout",
@@ -249,6 +304,7 @@ impl RabbitConsumerBuilder {
             running: AtomicBool::new(true),
             counters: Counters::default(),
         });
+        let (tx, rx) = watch::channel(false);
         let worker = Worker {
             settings: self,
             uri,
@@ -257,7 +313,8 @@ impl RabbitConsumerBuilder {
             handler: Arc::new(handler),
             attempts: HashMap::new(),
             shared: Arc::clone(&shared),
-            delayed: JoinSet::new(),
+            held: Held::default(),
+            stop: rx.clone(),
         };
         let session = worker.open_session().await?;
         // Connected from here on: callers may check right after `spawn`.
@@ -268,7 +325,6 @@ impl RabbitConsumerBuilder {
             url = %worker.settings.config.redacted_url(),
             "consuming from RabbitMQ"
         );
-        let (tx, rx) = watch::channel(false);
         let purger = worker.settings.inbox_retention.map(|retention| {
             tokio::spawn(purge_inbox_loop(
                 worker.outbox.clone(),
@@ -300,6 +356,11 @@ mod tests {
         assert!(e.to_string().contains("prefetch"), "{e}");
         let e = b().max_attempts(0).validate().unwrap_err();
         assert!(e.to_string().contains("max_attempts"), "{e}");
+        let e = b()
+            .unavailable_backoff(Duration::from_secs(2), Duration::from_secs(1))
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("unavailable_backoff"), "{e}");
         let e = RabbitConsumer::builder("amqp://u:secretpw@h:5672/%2f", "")
             .validate()
             .unwrap_err();

@@ -19,7 +19,8 @@ pub struct ConsumerStats {
     pub handled: u64,
     /// Deliveries found in the inbox already: acknowledged, handler not run.
     pub duplicates: u64,
-    /// Handler failures that were requeued for another try.
+    /// Handler failures (counted attempts) tried again in place after
+    /// `retry_delay`.
     pub retried: u64,
     /// Deliveries rejected to the dead-letter exchange after `max_attempts`
     /// handler failures.
@@ -27,12 +28,17 @@ pub struct ConsumerStats {
     /// Deliveries rejected to the dead-letter exchange because they have no
     /// valid `message_id`.
     pub invalid: u64,
-    /// Database failures (not counted as attempts): the delivery was requeued.
+    /// Database failures (not counted as attempts): the delivery was tried
+    /// again after the outage backoff.
     pub store_errors: u64,
-    /// Deliveries whose handler said
-    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable):
-    /// tried again later, not counted as attempts.
+    /// Tries whose handler said
+    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable): the
+    /// delivery was tried again after the outage backoff, not counted as
+    /// an attempt.
     pub deferred: u64,
+    /// Deliveries held back behind an earlier delivery of their ordering
+    /// key that was waiting for its retry (per-key order).
+    pub held_back: u64,
     /// Connections opened after the first one.
     pub reconnects: u64,
 }
@@ -46,6 +52,7 @@ pub(super) struct Counters {
     pub(super) invalid: AtomicU64,
     pub(super) store_errors: AtomicU64,
     pub(super) deferred: AtomicU64,
+    pub(super) held_back: AtomicU64,
     pub(super) reconnects: AtomicU64,
 }
 
@@ -107,9 +114,9 @@ pub(super) async fn purge_inbox_loop(
 
 impl ConsumerHandle {
     /// Stops consuming (`basic.cancel`), lets the delivery in flight finish
-    /// (committed and acknowledged, or rolled back and requeued), closes the
-    /// channel and the connection — deliveries buffered but not started go
-    /// back to the queue — and waits until all that is done.
+    /// (committed and acknowledged, or rolled back), closes the channel and
+    /// the connection — deliveries buffered but not started, or held for a
+    /// retry, go back to the queue — and waits until all that is done.
     pub async fn shutdown(&self) {
         self.shutdown.send_replace(true);
         let task = self.task.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -159,6 +166,7 @@ impl ConsumerHandle {
             invalid: get(&c.invalid),
             store_errors: get(&c.store_errors),
             deferred: get(&c.deferred),
+            held_back: get(&c.held_back),
             reconnects: get(&c.reconnects),
         }
     }

@@ -23,8 +23,15 @@ use super::Received;
 /// [`SqliteOutbox::enqueue`]`(&mut *tx, …)` — everything commits together
 /// with the inbox row, and the delivery is acknowledged only after that
 /// commit. Returning `Err` (or panicking, or exceeding the handler timeout)
-/// rolls the transaction back; the delivery is retried a bounded number of
-/// times, then dead-lettered.
+/// rolls the transaction back; the delivery is tried again a bounded number
+/// of times, then dead-lettered. Returning an error that is (or wraps)
+/// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable) — a
+/// downstream of the handler is down — rolls back too, but the delivery is
+/// tried again after a growing backoff without counting an attempt, for as
+/// long as it takes.
+///
+/// Deliveries of one ordering key reach the handler in order, one at a
+/// time, retries included (see [`RabbitConsumer`](crate::RabbitConsumer)).
 ///
 /// Do not commit or roll back `tx` yourself.
 ///

@@ -34,9 +34,11 @@ pub struct Received {
     /// The routing key it was published with.
     pub routing_key: String,
     /// Whether the broker delivered it before (to this or another consumer).
+    /// A retry in place is not a redelivery: it keeps the broker's flag.
     pub redelivered: bool,
     /// Which try of this consumer process this is (1 the first time; counts
-    /// handler failures, see [`RabbitConsumerBuilder::max_attempts`]).
+    /// handler failures, not outages, see
+    /// [`RabbitConsumerBuilder::max_attempts`](crate::RabbitConsumerBuilder::max_attempts)).
     pub attempt: u32,
 }
 

@@ -16,10 +16,10 @@ use outbox_api::{Error, MessageId, Result};
 use outbox_sqlite::SqliteOutbox;
 use outbox_sqlite::sqlx::SqlitePool;
 use tokio::sync::watch;
-use tokio::task::JoinSet;
 use tokio::time::{Instant, timeout};
 
 use super::handle::{Shared, bump};
+use super::order::Held;
 use super::{InboxHandler, RabbitConsumerBuilder};
 use crate::transport::{backoff, connect_error};
 
@@ -42,8 +42,10 @@ pub(super) struct Worker {
     /// Handler failures so far, by message id, with when the last one happened.
     pub(super) attempts: HashMap<MessageId, (u32, Instant)>,
     pub(super) shared: Arc<Shared>,
-    /// Requeues waiting for their retry delay.
-    pub(super) delayed: JoinSet<()>,
+    /// Deliveries held for a retry in place, and the later ones of their keys.
+    pub(super) held: Held,
+    /// Set when the consumer is to stop.
+    pub(super) stop: watch::Receiver<bool>,
 }
 
 impl Worker {
@@ -159,9 +161,14 @@ impl Worker {
             self.shared.connected.store(true, Ordering::SeqCst);
             let stopped = self.consume(current, &mut shutdown).await;
             self.shared.connected.store(false, Ordering::SeqCst);
-            // Requeues still waiting are moot: the broker requeues every
-            // unacknowledged delivery of a closed channel.
-            self.delayed.abort_all();
+            // Held deliveries belong to the closed channel: the broker
+            // requeues every unacknowledged one, in order, and they come
+            // back (redelivered) on the next session.
+            let held = self.held.len();
+            if held > 0 {
+                tracing::info!(queue = %self.shared.queue, held, "returning held deliveries to the queue");
+            }
+            self.held.clear();
             if stopped {
                 break;
             }
@@ -176,16 +183,21 @@ impl Worker {
         let mut check = tokio::time::interval(Duration::from_millis(500));
         check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            while self.delayed.try_join_next().is_some() {}
             tokio::select! {
                 biased;
                 _ = shutdown.changed() => {
                     self.close(s).await;
                     return true;
                 }
+                Some(lane) = self.held.due() => {
+                    if !self.on_due(lane).await {
+                        tracing::warn!(queue = %self.shared.queue, "acknowledging failed; reconnecting");
+                        return false;
+                    }
+                }
                 next = s.consumer.next() => match next {
                     Some(Ok(delivery)) => {
-                        if !self.process(delivery).await {
+                        if !self.on_delivery(delivery).await {
                             tracing::warn!(queue = %self.shared.queue, "acknowledging failed; reconnecting");
                             return false;
                         }
