@@ -69,7 +69,7 @@ pub(super) struct Shared {
     pub(super) counters: Counters,
 }
 
-/// A running [`RabbitConsumer`]. Dropping it stops the consumer (without
+/// A running [`RabbitConsumer`](crate::RabbitConsumer). Dropping it stops the consumer (without
 /// waiting); [`shutdown`](ConsumerHandle::shutdown) stops it gracefully.
 #[derive(Debug)]
 pub struct ConsumerHandle {
