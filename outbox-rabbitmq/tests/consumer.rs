@@ -2,18 +2,18 @@
 //! `OUTBOX_AMQP_URL` (the end-to-end tests with the relay are in the root
 //! crate's `tests/rabbitmq_relay.rs`).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::{FieldTable, ShortString};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-use outbox_api::MessageId;
 use outbox_api::testing::wait_until;
+use outbox_api::{MessageId, TemporarilyUnavailable};
 use outbox_rabbitmq::sqlite::sqlx::{self, SqliteConnection};
 use outbox_rabbitmq::testing::{TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via};
-use outbox_rabbitmq::{HandlerFuture, RabbitConsumer, Received, handler_fn};
+use outbox_rabbitmq::{HandlerFuture, KEY_HEADER, RabbitConsumer, Received, handler_fn};
 use outbox_sqlite::testing::SqlxUnderTest;
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -58,6 +58,32 @@ impl Queue {
                 id.to_string().as_bytes(),
                 BasicProperties::default()
                     .with_message_id(ShortString::from(id.to_string()))
+                    .with_delivery_mode(2),
+            )
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+    }
+
+    /// Publishes `body` with ordering key `key` (header `x-outbox-key`, as
+    /// the relay sends it).
+    async fn publish_keyed(&self, key: &str, body: &str) {
+        let id = MessageId::new();
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from(KEY_HEADER),
+            AMQPValue::LongString(LongString::from(key)),
+        );
+        self.channel
+            .basic_publish(
+                "".into(),
+                self.name.as_str().into(),
+                BasicPublishOptions::default(),
+                body.as_bytes(),
+                BasicProperties::default()
+                    .with_message_id(ShortString::from(id.to_string()))
+                    .with_headers(headers)
                     .with_delivery_mode(2),
             )
             .await
@@ -289,4 +315,208 @@ async fn inbox_retention_settings_are_checked() {
         .inbox_retention(None)
         .validate()
         .expect("None keeps entries forever");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unavailable_handler_is_retried_uncounted_and_never_dead_lettered() {
+    // Longer than max_attempts: counted, this would dead-letter the message.
+    const OUTAGE: u64 = 6;
+    let queue = Queue::new().await;
+    let db = database().await;
+    let tries = Arc::new(AtomicU64::new(0));
+    let attempts = Arc::new(Mutex::new(Vec::new()));
+    let (t, a) = (Arc::clone(&tries), Arc::clone(&attempts));
+    let handler = handler_fn(
+        move |msg: &Received, tx: &mut SqliteConnection| -> HandlerFuture<'_> {
+            let n = t.fetch_add(1, Ordering::SeqCst) + 1;
+            a.lock().unwrap().push(msg.attempt);
+            let id = msg.id.to_string();
+            Box::pin(async move {
+                sqlx::query("INSERT INTO effects (message_id) VALUES (?)")
+                    .bind(id)
+                    .execute(&mut *tx)
+                    .await?;
+                if n <= OUTAGE {
+                    // After a write: the rollback must undo it.
+                    return Err(TemporarilyUnavailable::new("the warehouse is down").into());
+                }
+                Ok(())
+            })
+        },
+    );
+    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+        .max_attempts(2)
+        .unavailable_backoff(Duration::from_millis(5), Duration::from_millis(40))
+        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .await
+        .expect("start the consumer");
+    let id = MessageId::new();
+    queue.publish(id).await;
+    wait_until("the message is handled after the outage", DEADLINE, || {
+        let n = consumer.stats().handled;
+        async move { n == 1 }
+    })
+    .await;
+    assert_eq!(effects(&db).await, vec![id.to_string()], "handled once");
+    assert_eq!(tries.load(Ordering::SeqCst), OUTAGE + 1);
+    assert_eq!(
+        *attempts.lock().unwrap(),
+        vec![1; OUTAGE as usize + 1],
+        "no try was counted as an attempt"
+    );
+    let stats = consumer.stats();
+    assert_eq!(
+        (
+            stats.deferred,
+            stats.retried,
+            stats.dead_lettered,
+            stats.handled
+        ),
+        (OUTAGE, 0, 0, 1),
+        "{stats:?}"
+    );
+    consumer.shutdown().await;
+    assert_eq!(queue.ready().await, 0);
+    queue.cleanup().await;
+}
+
+/// The ordering test's database: `log` records each handled message's key
+/// and sequence number in commit order.
+async fn ordering_log() -> SqlxUnderTest {
+    let db = database().await;
+    sqlx::query(
+        "CREATE TABLE log (n INTEGER PRIMARY KEY AUTOINCREMENT, key TEXT NOT NULL, seq INTEGER NOT NULL)",
+    )
+    .execute(db.pool())
+    .await
+    .unwrap();
+    db
+}
+
+async fn log(db: &SqlxUnderTest) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT key, seq FROM log ORDER BY n")
+        .fetch_all(db.pool())
+        .await
+        .unwrap()
+}
+
+/// A handler logging bodies `KEY:SEQ`; `fails(key, seq)` says whether this
+/// try fails.
+fn logging_handler(
+    fails: impl Fn(&str, i64) -> bool + Send + Sync + 'static,
+) -> outbox_rabbitmq::FnHandler<
+    impl for<'a> Fn(&'a Received, &'a mut SqliteConnection) -> HandlerFuture<'a> + Send + Sync,
+> {
+    handler_fn(
+        move |msg: &Received, tx: &mut SqliteConnection| -> HandlerFuture<'_> {
+            let body = String::from_utf8(msg.payload.clone()).unwrap();
+            let (key, seq) = body.split_once(':').unwrap();
+            let (key, seq) = (key.to_owned(), seq.parse::<i64>().unwrap());
+            let fail = fails(&key, seq);
+            Box::pin(async move {
+                if fail {
+                    return Err(format!("{key}:{seq} is not ready yet").into());
+                }
+                sqlx::query("INSERT INTO log (key, seq) VALUES (?, ?)")
+                    .bind(key)
+                    .bind(seq)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(())
+            })
+        },
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_holds_back_its_key_only_and_keeps_its_order() {
+    let queue = Queue::new().await;
+    let db = ordering_log().await;
+    let k0_tries = Arc::new(AtomicU64::new(0));
+    let k0 = Arc::clone(&k0_tries);
+    // K:0 fails twice, then succeeds.
+    let handler = logging_handler(move |key, seq| {
+        key == "K" && seq == 0 && k0.fetch_add(1, Ordering::SeqCst) < 2
+    });
+    let retry_delay = Duration::from_millis(1500);
+    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+        .max_attempts(5)
+        .retry_delay(retry_delay)
+        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .await
+        .expect("start the consumer");
+    queue.publish_keyed("K", "K:0").await;
+    for i in 1..=4 {
+        queue.publish_keyed("K", &format!("K:{i}")).await;
+        queue.publish_keyed("L", &format!("L:{}", i - 1)).await;
+    }
+    wait_until("all nine messages are handled", DEADLINE, || {
+        let n = consumer.stats().handled;
+        async move { n == 9 }
+    })
+    .await;
+    let log = log(&db).await;
+    let of = |k: &str| -> Vec<i64> {
+        log.iter()
+            .filter(|(key, _)| key == k)
+            .map(|(_, seq)| *seq)
+            .collect()
+    };
+    assert_eq!(of("K"), vec![0, 1, 2, 3, 4], "K in publish order: {log:?}");
+    assert_eq!(of("L"), vec![0, 1, 2, 3], "L in publish order: {log:?}");
+    // K:0 committed only after two retry delays (3 s); L did not wait.
+    let k0_at = log.iter().position(|e| *e == ("K".to_owned(), 0)).unwrap();
+    assert!(
+        log[..k0_at].iter().filter(|(key, _)| key == "L").count() == 4,
+        "L went on during K's retries: {log:?}"
+    );
+    assert_eq!(k0_tries.load(Ordering::SeqCst), 3);
+    let stats = consumer.stats();
+    assert_eq!(
+        (stats.retried, stats.held_back, stats.dead_lettered),
+        (2, 4, 0),
+        "K:1..4 were held behind K:0: {stats:?}"
+    );
+    consumer.shutdown().await;
+    assert_eq!(queue.ready().await, 0);
+    queue.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_lettered_head_releases_the_rest_of_its_key_in_order() {
+    let queue = Queue::new().await;
+    let db = ordering_log().await;
+    // J:0 always fails.
+    let handler = logging_handler(|key, seq| key == "J" && seq == 0);
+    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+        .max_attempts(3)
+        .retry_delay(Duration::from_millis(100))
+        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .await
+        .expect("start the consumer");
+    for i in 0..4 {
+        queue.publish_keyed("J", &format!("J:{i}")).await;
+    }
+    wait_until(
+        "J:0 is dead-lettered and the rest handled",
+        DEADLINE,
+        || {
+            let s = consumer.stats();
+            async move { s.dead_lettered == 1 && s.handled == 3 }
+        },
+    )
+    .await;
+    assert_eq!(
+        log(&db).await,
+        vec![
+            ("J".to_owned(), 1),
+            ("J".to_owned(), 2),
+            ("J".to_owned(), 3)
+        ]
+    );
+    let stats = consumer.stats();
+    assert_eq!((stats.retried, stats.held_back), (2, 3), "{stats:?}");
+    consumer.shutdown().await;
+    assert_eq!(queue.ready().await, 0);
+    queue.cleanup().await;
 }

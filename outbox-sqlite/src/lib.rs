@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 mod error;
+mod inbox;
 mod listener;
 mod outbox;
 mod row;
@@ -11,6 +12,7 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use inbox::InboxOutcome;
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE};

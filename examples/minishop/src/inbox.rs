@@ -3,9 +3,11 @@
 //!
 //! A module implements [`InboxModule::handle`]: the message's effects and any
 //! reply, written through the open transaction it is given. Around it, the
-//! inbox transaction is always the same — `BEGIN IMMEDIATE`, record
+//! inbox transaction is always the same, `outbox-sqlite`'s
+//! `SqliteOutbox::receive_once` — `BEGIN IMMEDIATE`, record
 //! `(consumer, message id)` in the inbox (a duplicate: skip), run the
-//! handler, commit — and only then is the message acknowledged:
+//! handler guarded (error, panic, timeout: roll back), commit — and only
+//! then is the message acknowledged:
 //!
 //! * [`EmbeddedBus`] (the default) runs it in-process in [`receive`] and
 //!   answers the sending relay `Delivered` only after the commit;
@@ -16,9 +18,11 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox::rabbitmq::{InboxHandler, Received};
+use outbox::sqlite::InboxOutcome;
 use outbox::sqlite::sqlx::SqliteConnection;
 use outbox::{HandlerError, Message, MessageId, Outcome, Transport};
 
@@ -43,53 +47,28 @@ pub trait InboxModule: Send + Sync + fmt::Debug + 'static {
     ) -> Result<(), HandlerError>;
 }
 
-/// How [`receive`] ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Receipt {
-    /// Handled and committed.
-    Handled,
-    /// Seen before (the inbox has it): nothing done, still acknowledged.
-    Duplicate,
-}
-
-/// Why [`receive`] did not commit.
-#[derive(Debug)]
-pub enum ReceiveError {
-    /// The handler refused the message (counts as a failed attempt).
-    Handler(String),
-    /// The database failed (an outage: does not count).
-    Store(String),
-}
+/// Longest an inbox handler may run before it counts as failed, on the
+/// embedded bus (shorter than the relay's own 30 s limit on a send, so the
+/// handler's guard ends a stuck handler first). The RabbitMQ consumers use
+/// the library's default.
+pub const HANDLER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Receives one message with the inbox, in one transaction on the
-/// receiver's database; returns after the commit.
+/// receiver's database (`outbox-sqlite`'s inbox transaction: a duplicate
+/// skips the handler; a handler error, panic or timeout rolls back);
+/// returns after the commit.
 pub async fn receive(
     module: &dyn InboxModule,
     id: MessageId,
     message_type: &str,
     payload: &[u8],
-) -> Result<Receipt, ReceiveError> {
+) -> InboxOutcome {
     let db = module.db();
-    let mut tx = db.pool.begin_with("BEGIN IMMEDIATE").await.map_err(|e| {
-        ReceiveError::Store(format!("beginning the {} inbox transaction: {e}", db.name))
-    })?;
-    let fresh = db
-        .outbox
-        .try_receive(&mut *tx, db.name, id)
+    db.outbox
+        .receive_once(&db.pool, db.name, id, HANDLER_TIMEOUT, async |tx| {
+            module.handle(message_type, payload, tx).await
+        })
         .await
-        .map_err(|e| ReceiveError::Store(e.to_string()))?;
-    if !fresh {
-        let _ = tx.rollback().await;
-        return Ok(Receipt::Duplicate);
-    }
-    if let Err(e) = module.handle(message_type, payload, &mut tx).await {
-        let _ = tx.rollback().await;
-        return Err(ReceiveError::Handler(e.to_string()));
-    }
-    tx.commit().await.map_err(|e| {
-        ReceiveError::Store(format!("committing the {} inbox transaction: {e}", db.name))
-    })?;
-    Ok(Receipt::Handled)
 }
 
 /// The in-process message bus: a [`Transport`] that delivers each
@@ -136,9 +115,11 @@ impl Transport for EmbeddedBus {
                     m.message_type
                 )),
                 Some(module) => match receive(&**module, m.id, &m.message_type, &m.payload).await {
-                    Ok(_) => Outcome::Delivered,
-                    Err(ReceiveError::Handler(e)) => Outcome::Rejected(e),
-                    Err(ReceiveError::Store(e)) => Outcome::Unavailable(e),
+                    InboxOutcome::Committed | InboxOutcome::Duplicate => Outcome::Delivered,
+                    InboxOutcome::HandlerFailed(e) => Outcome::Rejected(e),
+                    // Not the message's fault: sent again later, uncounted.
+                    InboxOutcome::HandlerUnavailable { reason, .. } => Outcome::Unavailable(reason),
+                    InboxOutcome::StoreFailed(e) => Outcome::Unavailable(e),
                 },
             };
             outcomes.push(outcome);

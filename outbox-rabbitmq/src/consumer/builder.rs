@@ -1,0 +1,373 @@
+//! [`RabbitConsumer`] and its settings, [`RabbitConsumerBuilder`]: checked,
+//! then spawned.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_api::{Error, Result};
+use outbox_sqlite::SqliteOutbox;
+use outbox_sqlite::sqlx::SqlitePool;
+use tokio::sync::watch;
+
+use super::InboxHandler;
+#[cfg(doc)]
+use super::Received;
+use super::handle::{ConsumerHandle, Counters, Shared, purge_inbox_loop};
+use super::order::Held;
+use super::session::Worker;
+use crate::config::{MAX_SHORT_STRING, RabbitConfig};
+
+/// Consumes a RabbitMQ queue into a SQLite inbox. Start one with
+/// [`RabbitConsumer::builder`].
+///
+/// For each delivery, in order (one at a time; up to `prefetch` are
+/// buffered):
+///
+/// 1. Decode it into a [`Received`]. No `message_id`, or one that is not a
+///    UUID: rejected without requeue (the queue's dead-letter exchange gets
+///    it, if it has one), with a warning.
+/// 2. If an earlier delivery of the same ordering key ([`Received::key`])
+///    waits for a retry, hold this one behind it (see *Order* below).
+/// 3. Run the inbox transaction,
+///    [`SqliteOutbox::receive_once`](outbox_sqlite::SqliteOutbox::receive_once):
+///    `BEGIN IMMEDIATE`; record `(consumer, message_id)` in the inbox — a
+///    duplicate is acknowledged without running the handler; run the
+///    [`InboxHandler`] (time limit, panics caught); on `Ok`, commit,
+///    **then** acknowledge.
+/// 4. Handler error, panic or timeout: rolled back; the delivery is tried
+///    again **in place** after [`retry_delay`](RabbitConsumerBuilder::retry_delay),
+///    counting the attempt in this process by message id; at
+///    [`max_attempts`](RabbitConsumerBuilder::max_attempts), it is rejected
+///    without requeue so that the queue's dead-letter exchange gets it.
+/// 5. The handler says
+///    [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable), or the
+///    database fails (begin, inbox insert, commit): rolled back and tried
+///    again in place after the
+///    [`unavailable_backoff`](RabbitConsumerBuilder::unavailable_backoff)
+///    (growing per consecutive try, capped; a handler's `retry_after` is
+///    honoured), **not** counted: an outage of a downstream must not
+///    dead-letter good messages.
+///
+/// # Order
+///
+/// Deliveries of one ordering key are handled in the order the broker
+/// delivers them, retries included: a delivery waiting for its retry holds
+/// back the later deliveries *of its key* (in memory, unacknowledged) until
+/// it is acknowledged or dead-lettered; other keys go on meanwhile. A
+/// message without a key holds nothing back. Held deliveries keep their
+/// prefetch slots: if `prefetch` of them wait behind one key, nothing else
+/// arrives until that key moves, so give `prefetch` room for the keys that
+/// may be retrying at once. A retry is never a requeue (`basic.nack` would
+/// put the delivery at the queue's head, behind the later deliveries of its
+/// key already buffered here), so [`Received::redelivered`] stays as the
+/// broker first said.
+///
+/// When the connection is lost it reconnects with exponential backoff and
+/// consumes again; deliveries that were not acknowledged, held ones
+/// included, come back from the broker (redelivered, in queue order) and the
+/// inbox turns them into no-ops if they had been committed.
+#[derive(Debug)]
+pub struct RabbitConsumer {
+    _private: (),
+}
+
+impl RabbitConsumer {
+    /// A consumer of `queue` on the broker at `url`
+    /// (`amqp://user:password@host:port/vhost`).
+    pub fn builder(url: impl Into<String>, queue: impl Into<String>) -> RabbitConsumerBuilder {
+        Self::with_config(
+            RabbitConfig::new(url).with_connection_name("outbox-rs consumer"),
+            queue,
+        )
+    }
+
+    /// A consumer of `queue` using the URL, connect timeout, reconnect
+    /// backoff and connection name of `config` (its publishing settings are
+    /// not used).
+    pub fn with_config(config: RabbitConfig, queue: impl Into<String>) -> RabbitConsumerBuilder {
+        let queue = queue.into();
+        RabbitConsumerBuilder {
+            config,
+            consumer_name: queue.clone(),
+            queue,
+            prefetch: RabbitConsumerBuilder::DEFAULT_PREFETCH,
+            max_attempts: RabbitConsumerBuilder::DEFAULT_MAX_ATTEMPTS,
+            retry_delay: RabbitConsumerBuilder::DEFAULT_RETRY_DELAY,
+            unavailable_backoff: RabbitConsumerBuilder::DEFAULT_UNAVAILABLE_BACKOFF,
+            handler_timeout: RabbitConsumerBuilder::DEFAULT_HANDLER_TIMEOUT,
+            inbox_retention: Some(RabbitConsumerBuilder::DEFAULT_INBOX_RETENTION),
+            inbox_purge_interval: RabbitConsumerBuilder::DEFAULT_INBOX_PURGE_INTERVAL,
+        }
+    }
+}
+
+/// Configures a [`RabbitConsumer`]; finish with
+/// [`spawn`](RabbitConsumerBuilder::spawn).
+#[derive(Debug, Clone)]
+pub struct RabbitConsumerBuilder {
+    pub(super) config: RabbitConfig,
+    pub(super) queue: String,
+    pub(super) consumer_name: String,
+    pub(super) prefetch: u16,
+    pub(super) max_attempts: u32,
+    pub(super) retry_delay: Duration,
+    pub(super) unavailable_backoff: (Duration, Duration),
+    pub(super) handler_timeout: Duration,
+    pub(super) inbox_retention: Option<Duration>,
+    pub(super) inbox_purge_interval: Duration,
+}
+
+impl RabbitConsumerBuilder {
+    /// Default [`inbox_retention`](Self::inbox_retention): 7 days.
+    pub const DEFAULT_INBOX_RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+    /// Default [`inbox_purge_interval`](Self::inbox_purge_interval): 1 min.
+    pub const DEFAULT_INBOX_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+    /// Inbox entries deleted per purge statement.
+    pub const INBOX_PURGE_BATCH: usize = 500;
+
+    /// Default [`prefetch`](Self::prefetch): 32.
+    pub const DEFAULT_PREFETCH: u16 = 32;
+    /// Default [`max_attempts`](Self::max_attempts): 3.
+    pub const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+    /// Default [`retry_delay`](Self::retry_delay): 200 ms.
+    pub const DEFAULT_RETRY_DELAY: Duration = Duration::from_millis(200);
+    /// Default [`unavailable_backoff`](Self::unavailable_backoff): 200 ms,
+    /// at most 30 s.
+    pub const DEFAULT_UNAVAILABLE_BACKOFF: (Duration, Duration) =
+        (Duration::from_millis(200), Duration::from_secs(30));
+    /// Default [`handler_timeout`](Self::handler_timeout): 30 s.
+    pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// The name recorded in the inbox with each message id (default: the
+    /// queue name). Two consumers with the same name share deduplication.
+    pub fn consumer_name(mut self, name: impl Into<String>) -> Self {
+        self.consumer_name = name.into();
+        self
+    }
+
+    /// How many unacknowledged deliveries the broker sends ahead (default 32).
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// How many times a delivery whose handler fails is tried before it is
+    /// rejected to the dead-letter exchange (default 3). Counted in this
+    /// process by message id: a restart starts counting again. Only handler
+    /// errors, panics and timeouts count; `TemporarilyUnavailable` and
+    /// database failures do not.
+    pub fn max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts;
+        self
+    }
+
+    /// How long a delivery whose handler failed waits before it is tried
+    /// again, in place (default 200 ms). Later deliveries of its key wait
+    /// behind it; other keys go on meanwhile.
+    pub fn retry_delay(mut self, delay: Duration) -> Self {
+        self.retry_delay = delay;
+        self
+    }
+
+    /// First and longest delay before a delivery is tried again after an
+    /// outage — its handler said
+    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable), or the
+    /// inbox database failed — not counted as an attempt (defaults 200 ms
+    /// and 30 s; doubling per consecutive outage of that delivery, ±20 %
+    /// jitter). A handler's
+    /// [`retry_after`](outbox_api::TemporarilyUnavailable::retry_after) is
+    /// honoured as the least delay. Later deliveries of its key wait behind
+    /// it.
+    pub fn unavailable_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.unavailable_backoff = (first, max);
+        self
+    }
+
+    /// Longest a handler may run before it counts as failed (default 30 s).
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// How long inbox entries are kept (default 7 days; `None` keeps them
+    /// forever). An entry must outlive every redelivery of its message —
+    /// the sender's lease and retries, and an operator's retry of a
+    /// poisoned message — or a late duplicate runs the handler again. The
+    /// consumer purges older entries every
+    /// [`inbox_purge_interval`](Self::inbox_purge_interval), in batches of
+    /// [`INBOX_PURGE_BATCH`](Self::INBOX_PURGE_BATCH) that rest between
+    /// them, beside its deliveries.
+    pub fn inbox_retention(mut self, retention: Option<Duration>) -> Self {
+        self.inbox_retention = retention;
+        self
+    }
+
+    /// How often the inbox purge runs (default 1 min).
+    pub fn inbox_purge_interval(mut self, interval: Duration) -> Self {
+        self.inbox_purge_interval = interval;
+        self
+    }
+
+    /// How long one connection attempt may take (default 10 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.config = self.config.with_connect_timeout(timeout);
+        self
+    }
+
+    /// First and longest delay between reconnect attempts (defaults 100 ms
+    /// and 30 s, doubling, ±20 % jitter).
+    pub fn reconnect_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.config = self.config.with_reconnect_backoff(first, max);
+        self
+    }
+
+    /// The connection name shown in the RabbitMQ management UI (default
+    /// `outbox-rs consumer`).
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
+        self.config = self.config.with_connection_name(name);
+        self
+    }
+
+    /// Checks every setting; the error names the field (and never contains
+    /// the password).
+    pub fn validate(&self) -> Result<()> {
+        self.config.validate()?;
+        if self.queue.is_empty() || self.queue.len() > MAX_SHORT_STRING {
+            return Err(Error::config(
+                "queue",
+                format!("must be 1 to {MAX_SHORT_STRING} bytes long"),
+            ));
+        }
+        if self.consumer_name.trim().is_empty() {
+            return Err(Error::config("consumer_name", "must not be empty"));
+        }
+        if self.prefetch == 0 {
+            return Err(Error::config(
+                "prefetch",
+                "must be at least 1 (0 would mean unlimited)",
+            ));
+        }
+        if self.max_attempts == 0 {
+            return Err(Error::config("max_attempts", "must be at least 1"));
+        }
+        let (first, max) = self.unavailable_backoff;
+        if first.is_zero() || max < first {
+            return Err(Error::config(
+                "unavailable_backoff",
+                format!("needs 0 < first <= max (got {first:?} and {max:?})"),
+            ));
+        }
+        if self.handler_timeout.is_zero() {
+            return Err(Error::config(
+                "handler_timeout",
+                "must be greater than zero",
+            ));
+        }
+        if self.inbox_retention.is_some_and(|r| r.is_zero()) {
+            return Err(Error::config(
+                "inbox_retention",
+                "must be greater than zero (None keeps entries forever)",
+            ));
+        }
+        if self.inbox_purge_interval.is_zero() {
+            return Err(Error::config(
+                "inbox_purge_interval",
+                "must be greater than zero",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks the settings, connects, starts consuming and returns the
+    /// handle of the running consumer (on the current tokio runtime).
+    ///
+    /// `outbox` gives the inbox table (and is how the handler enqueues
+    /// replies); `pool` is the application's sqlx pool on the same database
+    /// file. Fails with a clear error (password redacted) when a setting is
+    /// invalid or the credentials are refused (`ErrorKind::Config`), the
+    /// queue does not exist (`ErrorKind::NotFound`), or the broker cannot be
+    /// reached (`ErrorKind::Unavailable`).
+    pub async fn spawn(
+        self,
+        outbox: SqliteOutbox,
+        pool: SqlitePool,
+        handler: impl InboxHandler,
+    ) -> Result<ConsumerHandle> {
+        self.validate()?;
+        let uri = self.config.parse_url()?;
+        let shared = Arc::new(Shared {
+            queue: self.queue.clone(),
+            consumer_name: self.consumer_name.clone(),
+            connected: AtomicBool::new(false),
+            running: AtomicBool::new(true),
+            counters: Counters::default(),
+        });
+        let (tx, rx) = watch::channel(false);
+        let worker = Worker {
+            settings: self,
+            uri,
+            outbox,
+            pool,
+            handler: Arc::new(handler),
+            attempts: HashMap::new(),
+            shared: Arc::clone(&shared),
+            held: Held::default(),
+            stop: rx.clone(),
+        };
+        let session = worker.open_session().await?;
+        // Connected from here on: callers may check right after `spawn`.
+        shared.connected.store(true, Ordering::SeqCst);
+        tracing::info!(
+            queue = %shared.queue,
+            consumer = %shared.consumer_name,
+            url = %worker.settings.config.redacted_url(),
+            "consuming from RabbitMQ"
+        );
+        let purger = worker.settings.inbox_retention.map(|retention| {
+            tokio::spawn(purge_inbox_loop(
+                worker.outbox.clone(),
+                worker.pool.clone(),
+                retention,
+                worker.settings.inbox_purge_interval,
+                rx.clone(),
+            ))
+        });
+        let task = tokio::spawn(worker.run(session, rx));
+        Ok(ConsumerHandle {
+            shutdown: tx,
+            task: Mutex::new(Some(task)),
+            purger: Mutex::new(purger),
+            shared,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_settings_name_the_field() {
+        let b = || RabbitConsumer::builder("amqp://u:secretpw@h:5672/%2f", "q");
+        b().validate().unwrap();
+        let e = b().prefetch(0).validate().unwrap_err();
+        assert!(e.to_string().contains("prefetch"), "{e}");
+        let e = b().max_attempts(0).validate().unwrap_err();
+        assert!(e.to_string().contains("max_attempts"), "{e}");
+        let e = b()
+            .unavailable_backoff(Duration::from_secs(2), Duration::from_secs(1))
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("unavailable_backoff"), "{e}");
+        let e = RabbitConsumer::builder("amqp://u:secretpw@h:5672/%2f", "")
+            .validate()
+            .unwrap_err();
+        assert!(e.to_string().contains("queue"), "{e}");
+        let e = RabbitConsumer::builder("amqp://u:secretpw@h:bad/%2f", "q")
+            .validate()
+            .unwrap_err();
+        assert!(!e.to_string().contains("secretpw"), "{e}");
+    }
+}

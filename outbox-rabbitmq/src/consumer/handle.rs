@@ -1,0 +1,179 @@
+//! [`ConsumerHandle`]: a running consumer, its stats and its stop; and the
+//! inbox purge beside it.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_sqlite::SqliteOutbox;
+use outbox_sqlite::sqlx::SqlitePool;
+use tokio::sync::watch;
+
+use super::RabbitConsumerBuilder;
+
+/// What a consumer did since it started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// Deliveries handled and committed (then acknowledged).
+    pub handled: u64,
+    /// Deliveries found in the inbox already: acknowledged, handler not run.
+    pub duplicates: u64,
+    /// Handler failures (counted attempts) tried again in place after
+    /// `retry_delay`.
+    pub retried: u64,
+    /// Deliveries rejected to the dead-letter exchange after `max_attempts`
+    /// handler failures.
+    pub dead_lettered: u64,
+    /// Deliveries rejected to the dead-letter exchange because they have no
+    /// valid `message_id`.
+    pub invalid: u64,
+    /// Database failures (not counted as attempts): the delivery was tried
+    /// again after the outage backoff.
+    pub store_errors: u64,
+    /// Tries whose handler said
+    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable): the
+    /// delivery was tried again after the outage backoff, not counted as
+    /// an attempt.
+    pub deferred: u64,
+    /// Deliveries held back behind an earlier delivery of their ordering
+    /// key that was waiting for its retry (per-key order).
+    pub held_back: u64,
+    /// Connections opened after the first one.
+    pub reconnects: u64,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub(super) handled: AtomicU64,
+    pub(super) duplicates: AtomicU64,
+    pub(super) retried: AtomicU64,
+    pub(super) dead_lettered: AtomicU64,
+    pub(super) invalid: AtomicU64,
+    pub(super) store_errors: AtomicU64,
+    pub(super) deferred: AtomicU64,
+    pub(super) held_back: AtomicU64,
+    pub(super) reconnects: AtomicU64,
+}
+
+pub(super) fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+#[derive(Debug)]
+pub(super) struct Shared {
+    pub(super) queue: String,
+    pub(super) consumer_name: String,
+    pub(super) connected: AtomicBool,
+    pub(super) running: AtomicBool,
+    pub(super) counters: Counters,
+}
+
+/// A running [`RabbitConsumer`](crate::RabbitConsumer). Dropping it stops the consumer (without
+/// waiting); [`shutdown`](ConsumerHandle::shutdown) stops it gracefully.
+#[derive(Debug)]
+pub struct ConsumerHandle {
+    pub(super) shutdown: watch::Sender<bool>,
+    pub(super) task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub(super) purger: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub(super) shared: Arc<Shared>,
+}
+
+/// Deletes inbox entries older than `retention` every `interval`, in
+/// batches that rest between them, until shutdown.
+pub(super) async fn purge_inbox_loop(
+    outbox: SqliteOutbox,
+    pool: SqlitePool,
+    retention: Duration,
+    interval: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    while !*shutdown.borrow() {
+        let before = outbox_api::Timestamp::now().sub(retention);
+        let stop = shutdown.clone();
+        let purged = outbox_api::purge::purge_in_batches(
+            RabbitConsumerBuilder::INBOX_PURGE_BATCH,
+            || *stop.borrow(),
+            |limit| outbox.purge_inbox(&pool, before, limit),
+        )
+        .await;
+        match purged {
+            Ok(0) => {}
+            Ok(n) => {
+                tracing::info!(purged = n, table = %outbox.inbox_table(), "purged inbox entries past retention")
+            }
+            Err(e) => tracing::warn!(error = %e, "inbox purge failed; will retry"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(interval) => {}
+            // The handle is gone (dropped without shutdown): stop too.
+            changed = shutdown.changed() => if changed.is_err() { return },
+        }
+    }
+}
+
+impl ConsumerHandle {
+    /// Stops consuming (`basic.cancel`), lets the delivery in flight finish
+    /// (committed and acknowledged, or rolled back), closes the channel and
+    /// the connection — deliveries buffered but not started, or held for a
+    /// retry, go back to the queue — and waits until all that is done.
+    pub async fn shutdown(&self) {
+        self.shutdown.send_replace(true);
+        let task = self.task.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(task) = task {
+            if let Err(e) = task.await {
+                tracing::error!(error = %e, "consumer task ended abnormally");
+            }
+        }
+        let purger = self.purger.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(purger) = purger {
+            if let Err(e) = purger.await {
+                tracing::error!(error = %e, "inbox purge task ended abnormally");
+            }
+        }
+        self.shared.running.store(false, Ordering::SeqCst);
+    }
+
+    /// Whether the consumer still runs.
+    pub fn is_running(&self) -> bool {
+        self.shared.running.load(Ordering::SeqCst)
+    }
+
+    /// Whether it is connected and consuming right now.
+    pub fn is_connected(&self) -> bool {
+        self.shared.connected.load(Ordering::SeqCst)
+    }
+
+    /// The queue consumed.
+    pub fn queue(&self) -> &str {
+        &self.shared.queue
+    }
+
+    /// The consumer name recorded in the inbox.
+    pub fn consumer_name(&self) -> &str {
+        &self.shared.consumer_name
+    }
+
+    /// Counts since start.
+    pub fn stats(&self) -> ConsumerStats {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerStats {
+            handled: get(&c.handled),
+            duplicates: get(&c.duplicates),
+            retried: get(&c.retried),
+            dead_lettered: get(&c.dead_lettered),
+            invalid: get(&c.invalid),
+            store_errors: get(&c.store_errors),
+            deferred: get(&c.deferred),
+            held_back: get(&c.held_back),
+            reconnects: get(&c.reconnects),
+        }
+    }
+}
+
+impl Drop for ConsumerHandle {
+    fn drop(&mut self) {
+        self.shutdown.send_replace(true);
+    }
+}

@@ -1,0 +1,269 @@
+//! Handling deliveries and settling them: run the inbox transaction, then
+//! acknowledge, hold for a retry in place (keeping the key's order), or
+//! dead-letter at `max_attempts`.
+
+use std::time::Duration;
+
+use lapin::message::Delivery;
+use lapin::options::{BasicAckOptions, BasicRejectOptions};
+use outbox_api::MessageId;
+use outbox_sqlite::InboxOutcome;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::Received;
+use super::handle::bump;
+use super::order::{Lane, Pending};
+use super::session::{MAX_TRACKED_ATTEMPTS, Worker};
+use crate::transport::backoff;
+
+/// What became of one try of a delivery.
+enum Step {
+    /// Acknowledged or rejected; `false` when that failed (the channel is
+    /// gone).
+    Settled(bool),
+    /// Not settled: try it again in place after the delay.
+    RetryAfter(Box<Pending>, Duration),
+}
+
+impl Worker {
+    /// A delivery arrived: decode it, then run it — or, when an earlier
+    /// delivery of its key is held for a retry, queue it behind that one.
+    /// `false` when settling failed (the channel is gone).
+    pub(super) async fn on_delivery(&mut self, delivery: Delivery) -> bool {
+        let received = match Received::decode(&delivery) {
+            Ok(r) => r,
+            Err(why) => {
+                bump(&self.shared.counters.invalid);
+                tracing::warn!(
+                    queue = %self.shared.queue,
+                    exchange = %delivery.exchange,
+                    routing_key = %delivery.routing_key,
+                    reason = %why,
+                    "rejecting a delivery that cannot be handled (to the dead-letter exchange, if any)"
+                );
+                return settled(
+                    delivery
+                        .acker
+                        .reject(BasicRejectOptions { requeue: false })
+                        .await,
+                );
+            }
+        };
+        let pending = Pending {
+            delivery,
+            received,
+            deferrals: 0,
+        };
+        let lane = Lane::of(&pending);
+        if self.held.holds(&lane) {
+            bump(&self.shared.counters.held_back);
+            tracing::debug!(
+                queue = %self.shared.queue,
+                message.id = %pending.received.id,
+                message.key = pending.received.key.as_deref(),
+                "an earlier delivery of this key waits for its retry; holding this one behind it"
+            );
+            self.held.queue_behind(lane, pending);
+            return true;
+        }
+        self.run_lane(lane, pending).await
+    }
+
+    /// A held delivery's retry is due: run it, then the ones behind it.
+    pub(super) async fn on_due(&mut self, lane: Lane) -> bool {
+        match self.held.take_head(&lane) {
+            Some(head) => self.run_lane(lane, head).await,
+            None => true,
+        }
+    }
+
+    /// Runs `first`, then the deliveries held behind it in arrival order,
+    /// until the lane is empty or one must wait for a retry (it becomes the
+    /// lane's held head, the rest stay behind it).
+    async fn run_lane(&mut self, lane: Lane, first: Pending) -> bool {
+        let mut next = Some(first);
+        while let Some(pending) = next {
+            match self.try_once(pending).await {
+                Step::Settled(true) => {}
+                Step::Settled(false) => return false,
+                Step::RetryAfter(pending, delay) => {
+                    self.held.hold(lane, *pending, delay);
+                    return true;
+                }
+            }
+            next = self.held.next_behind(&lane);
+            if *self.stop.borrow() {
+                // Stopping: leave the rest held; closing the channel
+                // returns them to the queue in order.
+                if let Some(pending) = next {
+                    self.held.hold(lane, pending, Duration::ZERO);
+                }
+                return true;
+            }
+        }
+        true
+    }
+
+    /// One try of a delivery: the inbox transaction, then settling.
+    async fn try_once(&mut self, mut pending: Pending) -> Step {
+        let received = &mut pending.received;
+        let id = received.id;
+        received.attempt = self.attempts.get(&id).map_or(0, |a| a.0) + 1;
+        let span = tracing::info_span!(
+            "outbox.receive",
+            message.id = %id,
+            message.type = received.message_type.as_deref(),
+            message.key = received.key.as_deref(),
+            trace_parent = received.trace_parent.as_deref(),
+            consumer = %self.shared.consumer_name,
+            queue = %self.shared.queue,
+            redelivered = received.redelivered,
+            attempt = received.attempt,
+            deferrals = pending.deferrals,
+            outcome = tracing::field::Empty,
+        );
+        outbox_api::trace::continue_trace(&span, received.trace_parent.as_deref());
+        let outcome = self
+            .handle(&pending.received)
+            .instrument(span.clone())
+            .await;
+        self.settle(pending, outcome, &span)
+            .instrument(span.clone())
+            .await
+    }
+
+    /// Acknowledges, dead-letters, or keeps the delivery for a retry in
+    /// place, after one try.
+    async fn settle(
+        &mut self,
+        mut pending: Pending,
+        outcome: InboxOutcome,
+        span: &tracing::Span,
+    ) -> Step {
+        let id = pending.received.id;
+        let attempt = pending.received.attempt;
+        let counters = &self.shared.counters;
+        match outcome {
+            InboxOutcome::Committed => {
+                span.record("outcome", "handled");
+                bump(&counters.handled);
+                self.attempts.remove(&id);
+                Step::Settled(settled(
+                    pending.delivery.acker.ack(BasicAckOptions::default()).await,
+                ))
+            }
+            InboxOutcome::Duplicate => {
+                span.record("outcome", "duplicate");
+                bump(&counters.duplicates);
+                self.attempts.remove(&id);
+                tracing::debug!("already handled (inbox); acknowledging");
+                Step::Settled(settled(
+                    pending.delivery.acker.ack(BasicAckOptions::default()).await,
+                ))
+            }
+            InboxOutcome::HandlerFailed(error) if attempt >= self.settings.max_attempts => {
+                span.record("outcome", "dead-lettered");
+                bump(&counters.dead_lettered);
+                self.attempts.remove(&id);
+                tracing::error!(
+                    %error,
+                    attempts = attempt,
+                    "handler failed on its last attempt; rejecting to the dead-letter exchange"
+                );
+                let rejected = pending
+                    .delivery
+                    .acker
+                    .reject(BasicRejectOptions { requeue: false })
+                    .await;
+                Step::Settled(settled(rejected))
+            }
+            InboxOutcome::HandlerFailed(error) => {
+                span.record("outcome", "failed");
+                bump(&counters.retried);
+                self.remember_attempt(id, attempt);
+                pending.deferrals = 0;
+                let delay = self.settings.retry_delay;
+                tracing::warn!(
+                    %error,
+                    attempts = attempt,
+                    max_attempts = self.settings.max_attempts,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "handler failed; the delivery will be retried (later ones of its key wait)"
+                );
+                Step::RetryAfter(Box::new(pending), delay)
+            }
+            InboxOutcome::HandlerUnavailable {
+                reason,
+                retry_after,
+            } => {
+                span.record("outcome", "unavailable");
+                bump(&counters.deferred);
+                let delay = self
+                    .outage_delay(&mut pending)
+                    .max(retry_after.unwrap_or_default());
+                tracing::warn!(
+                    %reason,
+                    deferrals = pending.deferrals,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "handler temporarily unavailable (not counted as an attempt); will retry"
+                );
+                Step::RetryAfter(Box::new(pending), delay)
+            }
+            InboxOutcome::StoreFailed(error) => {
+                span.record("outcome", "store-failed");
+                bump(&counters.store_errors);
+                let delay = self.outage_delay(&mut pending);
+                tracing::warn!(
+                    %error,
+                    deferrals = pending.deferrals,
+                    retry_in_ms = delay.as_millis() as u64,
+                    "the inbox database failed (not counted as an attempt); will retry"
+                );
+                Step::RetryAfter(Box::new(pending), delay)
+            }
+        }
+    }
+
+    /// The next uncounted retry's delay: the outage backoff, growing with
+    /// the delivery's consecutive deferrals.
+    fn outage_delay(&self, pending: &mut Pending) -> Duration {
+        pending.deferrals = pending.deferrals.saturating_add(1);
+        let (first, max) = self.settings.unavailable_backoff;
+        backoff(first, max, pending.deferrals)
+    }
+
+    fn remember_attempt(&mut self, id: MessageId, attempt: u32) {
+        if self.attempts.len() >= MAX_TRACKED_ATTEMPTS {
+            let mut by_age: Vec<(Instant, MessageId)> = self
+                .attempts
+                .iter()
+                .map(|(id, (_, at))| (*at, *id))
+                .collect();
+            by_age.sort();
+            for (_, old) in by_age.into_iter().take(MAX_TRACKED_ATTEMPTS / 10) {
+                self.attempts.remove(&old);
+            }
+        }
+        self.attempts.insert(id, (attempt, Instant::now()));
+    }
+
+    /// The inbox transaction around the handler.
+    async fn handle(&self, received: &Received) -> InboxOutcome {
+        let handler = &self.handler;
+        self.outbox
+            .receive_once(
+                &self.pool,
+                &self.shared.consumer_name,
+                received.id,
+                self.settings.handler_timeout,
+                async |tx| handler.handle(received, tx).await,
+            )
+            .await
+    }
+}
+
+/// `true` when an ack or reject went out.
+fn settled(result: lapin::Result<bool>) -> bool {
+    matches!(result, Ok(true))
+}

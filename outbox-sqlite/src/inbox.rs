@@ -1,0 +1,354 @@
+//! The inbox transaction: record a received message and run its handler in
+//! one SQLite transaction, so that at-least-once delivery gives
+//! exactly-once effects. Every receiver (the RabbitMQ consumer, an
+//! application's in-process bus) uses this one helper.
+
+use std::time::Duration;
+
+use outbox_api::{HandlerError, HandlerOutcome, MessageId, run_guarded};
+use sqlx::{SqliteConnection, SqlitePool};
+
+use crate::SqliteOutbox;
+
+/// How one [`SqliteOutbox::receive_once`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum InboxOutcome {
+    /// The handler succeeded; its effects and the inbox entry are committed.
+    /// Acknowledge the message.
+    Committed,
+    /// The inbox had the message already: it was handled before, the
+    /// handler did **not** run. Acknowledge the message.
+    Duplicate,
+    /// The handler returned an error, panicked or timed out: rolled back
+    /// (no effects, no inbox entry, so a retry runs it again). A counted
+    /// failure; holds the error text.
+    HandlerFailed(String),
+    /// The handler said
+    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable): rolled
+    /// back; retry later without counting an attempt.
+    HandlerUnavailable {
+        /// Why (the error text).
+        reason: String,
+        /// The delay the handler asked for, if any.
+        retry_after: Option<Duration>,
+    },
+    /// The database failed (begin, inbox insert or commit): rolled back, the
+    /// handler's effects are not kept. An outage, not the message's fault:
+    /// retry later without counting an attempt. Holds the error text.
+    StoreFailed(String),
+}
+
+impl InboxOutcome {
+    /// A short name for logs and spans.
+    pub fn name(&self) -> &'static str {
+        match self {
+            InboxOutcome::Committed => "committed",
+            InboxOutcome::Duplicate => "duplicate",
+            InboxOutcome::HandlerFailed(_) => "handler-failed",
+            InboxOutcome::HandlerUnavailable { .. } => "handler-unavailable",
+            InboxOutcome::StoreFailed(_) => "store-failed",
+        }
+    }
+}
+
+impl SqliteOutbox {
+    /// Receives `message_id` for `consumer` exactly once, in one transaction
+    /// on `pool` (a pool on this outbox's database file):
+    ///
+    /// 1. `BEGIN IMMEDIATE`;
+    /// 2. record `(consumer, message_id)` in the inbox with
+    ///    [`try_receive`](Self::try_receive) — recorded before: roll back,
+    ///    [`InboxOutcome::Duplicate`], the handler does not run;
+    /// 3. run `handler` with the open transaction, guarded by
+    ///    [`run_guarded`] (time limit `handler_timeout`, panics caught);
+    /// 4. commit when it succeeded ([`InboxOutcome::Committed`]), roll back
+    ///    otherwise.
+    ///
+    /// The handler does the message's effects with the connection it is
+    /// given, and enqueues replies with [`enqueue`](Self::enqueue)`(&mut
+    /// *tx, …)`: they commit together with the inbox entry, or not at all.
+    /// It must not commit or roll back itself. Acknowledge the message only
+    /// after `Committed` or `Duplicate`.
+    ///
+    /// ```no_run
+    /// # async fn demo(outbox: outbox_sqlite::SqliteOutbox, pool: outbox_sqlite::sqlx::SqlitePool, id: outbox_api::MessageId) {
+    /// use std::time::Duration;
+    /// use outbox_sqlite::{InboxOutcome, sqlx};
+    ///
+    /// let outcome = outbox
+    ///     .receive_once(&pool, "billing", id, Duration::from_secs(30), async |tx| {
+    ///         sqlx::query("INSERT INTO invoices (order_id) VALUES (?)")
+    ///             .bind(id.to_string())
+    ///             .execute(&mut *tx)
+    ///             .await?;
+    ///         Ok(())
+    ///     })
+    ///     .await;
+    /// assert!(matches!(outcome, InboxOutcome::Committed | InboxOutcome::Duplicate));
+    /// # }
+    /// ```
+    pub async fn receive_once<F>(
+        &self,
+        pool: &SqlitePool,
+        consumer: &str,
+        message_id: MessageId,
+        handler_timeout: Duration,
+        handler: F,
+    ) -> InboxOutcome
+    where
+        F: AsyncFnOnce(&mut SqliteConnection) -> Result<(), HandlerError>,
+    {
+        let mut tx = match pool.begin_with("BEGIN IMMEDIATE").await {
+            Ok(tx) => tx,
+            Err(e) => {
+                return InboxOutcome::StoreFailed(format!(
+                    "beginning the inbox transaction on `{}`: {e}",
+                    self.inbox_table()
+                ));
+            }
+        };
+        match self.try_receive(&mut *tx, consumer, message_id).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = tx.rollback().await;
+                return InboxOutcome::Duplicate;
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return InboxOutcome::StoreFailed(e.to_string());
+            }
+        }
+        let outcome = run_guarded(handler_timeout, handler(&mut tx)).await;
+        let not_committed = match outcome {
+            HandlerOutcome::Succeeded => None,
+            HandlerOutcome::Failed(error) => Some(InboxOutcome::HandlerFailed(error)),
+            HandlerOutcome::Unavailable {
+                reason,
+                retry_after,
+            } => Some(InboxOutcome::HandlerUnavailable {
+                reason,
+                retry_after,
+            }),
+        };
+        if let Some(outcome) = not_committed {
+            let _ = tx.rollback().await;
+            return outcome;
+        }
+        match tx.commit().await {
+            Ok(()) => InboxOutcome::Committed,
+            Err(e) => InboxOutcome::StoreFailed(format!(
+                "committing the inbox transaction on `{}`: {e}",
+                self.inbox_table()
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use outbox_api::TemporarilyUnavailable;
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+
+    use super::*;
+    use crate::SqliteStore;
+
+    const LIMIT: Duration = Duration::from_secs(10);
+
+    struct Db {
+        _dir: tempfile::TempDir,
+        outbox: SqliteOutbox,
+        pool: SqlitePool,
+    }
+
+    impl Db {
+        async fn new() -> Db {
+            let dir = tempfile::tempdir().unwrap();
+            let store = SqliteStore::open(dir.path().join("inbox.db"))
+                .await
+                .unwrap();
+            store.migrate().await.unwrap();
+            let pool = SqlitePoolOptions::new()
+                .max_connections(2)
+                .connect_with(SqliteConnectOptions::new().filename(store.path()))
+                .await
+                .unwrap();
+            sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
+                .execute(&pool)
+                .await
+                .unwrap();
+            Db {
+                _dir: dir,
+                outbox: store.outbox(),
+                pool,
+            }
+        }
+
+        async fn count(&self, table: &str) -> i64 {
+            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+
+        async fn effects(&self) -> i64 {
+            self.count("effects").await
+        }
+
+        async fn inbox_rows(&self) -> i64 {
+            self.count(self.outbox.inbox_table()).await
+        }
+    }
+
+    async fn effect(tx: &mut SqliteConnection, id: MessageId) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO effects (message_id) VALUES (?)")
+            .bind(id.to_string())
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn success_commits_effects_and_inbox_row_together_and_a_duplicate_skips_the_handler() {
+        let db = Db::new().await;
+        let id = MessageId::new();
+        let runs = AtomicU32::new(0);
+        let handler = async |tx: &mut SqliteConnection| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            effect(tx, id).await
+        };
+        let first = db
+            .outbox
+            .receive_once(&db.pool, "billing", id, LIMIT, handler)
+            .await;
+        assert_eq!(first, InboxOutcome::Committed);
+        assert_eq!((db.effects().await, db.inbox_rows().await), (1, 1));
+
+        let again = db
+            .outbox
+            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                effect(tx, id).await
+            })
+            .await;
+        assert_eq!(again, InboxOutcome::Duplicate);
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run");
+        assert_eq!((db.effects().await, db.inbox_rows().await), (1, 1));
+
+        // Another consumer of the same message is not a duplicate.
+        let other = db
+            .outbox
+            .receive_once(&db.pool, "shipping", id, LIMIT, async |tx| {
+                effect(tx, id).await
+            })
+            .await;
+        assert_eq!(other, InboxOutcome::Committed);
+        assert_eq!((db.effects().await, db.inbox_rows().await), (2, 2));
+    }
+
+    #[tokio::test]
+    async fn failure_panic_and_timeout_roll_back_so_a_retry_runs_again() {
+        let db = Db::new().await;
+        let id = MessageId::new();
+
+        let failed = db
+            .outbox
+            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
+                effect(tx, id).await?;
+                Err("the order is unknown".into())
+            })
+            .await;
+        assert_eq!(
+            failed,
+            InboxOutcome::HandlerFailed("the order is unknown".into())
+        );
+        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
+
+        let panicked = db
+            .outbox
+            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
+                effect(tx, id).await?;
+                if true {
+                    panic!("handler blew up");
+                }
+                Ok(())
+            })
+            .await;
+        assert_eq!(
+            panicked,
+            InboxOutcome::HandlerFailed("handler panicked: handler blew up".into())
+        );
+        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
+
+        let slow = db
+            .outbox
+            .receive_once(
+                &db.pool,
+                "billing",
+                id,
+                Duration::from_millis(50),
+                async |tx| {
+                    effect(tx, id).await?;
+                    std::future::pending::<()>().await;
+                    Ok(())
+                },
+            )
+            .await;
+        assert!(
+            matches!(&slow, InboxOutcome::HandlerFailed(e) if e.contains("timed out")),
+            "{slow:?}"
+        );
+        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
+
+        let retried = db
+            .outbox
+            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
+                effect(tx, id).await
+            })
+            .await;
+        assert_eq!(retried, InboxOutcome::Committed, "the retry ran again");
+        assert_eq!((db.effects().await, db.inbox_rows().await), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn unavailable_rolls_back_and_keeps_the_requested_delay() {
+        let db = Db::new().await;
+        let id = MessageId::new();
+        let outcome = db
+            .outbox
+            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
+                effect(tx, id).await?;
+                Err(
+                    TemporarilyUnavailable::new("the payment service answers 503")
+                        .retry_after(Duration::from_secs(2))
+                        .into(),
+                )
+            })
+            .await;
+        assert_eq!(
+            outcome,
+            InboxOutcome::HandlerUnavailable {
+                reason: "temporarily unavailable: the payment service answers 503".into(),
+                retry_after: Some(Duration::from_secs(2)),
+            }
+        );
+        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_database_failure_is_a_store_failure() {
+        let db = Db::new().await;
+        db.pool.close().await;
+        let outcome = db
+            .outbox
+            .receive_once(&db.pool, "billing", MessageId::new(), LIMIT, async |_| {
+                Ok(())
+            })
+            .await;
+        assert!(
+            matches!(&outcome, InboxOutcome::StoreFailed(e) if e.contains("beginning")),
+            "{outcome:?}"
+        );
+    }
+}
