@@ -44,7 +44,7 @@ pub(crate) struct Signals {
 pub struct SqliteListener {
     definite: WakeupListener,
     hint: WakeupListener,
-    probe: Option<Arc<Mutex<Probe>>>,
+    watch: Option<Arc<Mutex<ChangeWatch>>>,
     poll: Duration,
     hinted: bool,
 }
@@ -53,13 +53,13 @@ impl std::fmt::Debug for SqliteListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteListener")
             .field("poll", &self.poll)
-            .field("has_connection", &self.probe.is_some())
+            .field("has_connection", &self.watch.is_some())
             .finish_non_exhaustive()
     }
 }
 
 /// The listener's own connection and what it saw last.
-struct Probe {
+struct ChangeWatch {
     conn: Connection,
     max_seq_sql: String,
     version: Option<i64>,
@@ -69,7 +69,7 @@ struct Probe {
     unreported: bool,
 }
 
-impl Probe {
+impl ChangeWatch {
     fn read(&self) -> rusqlite::Result<(i64, Option<i64>)> {
         let version = self
             .conn
@@ -108,7 +108,7 @@ impl Probe {
     }
 }
 
-fn lock(p: &Mutex<Probe>) -> MutexGuard<'_, Probe> {
+fn lock(p: &Mutex<ChangeWatch>) -> MutexGuard<'_, ChangeWatch> {
     p.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -122,9 +122,9 @@ impl SqliteListener {
     ) -> Self {
         let definite = signals.definite.listener();
         let hint = signals.hint.listener();
-        let probe = match crate::store::open_connection(path, busy, false) {
+        let watch = match crate::store::open_connection(path, busy, false) {
             Ok(conn) => {
-                let mut p = Probe {
+                let mut p = ChangeWatch {
                     conn,
                     max_seq_sql: format!("SELECT MAX(seq) FROM {table}"),
                     version: None,
@@ -144,18 +144,18 @@ impl SqliteListener {
         SqliteListener {
             definite,
             hint,
-            probe,
+            watch,
             poll,
             hinted: false,
         }
     }
 
     /// Watches closely, on a blocking thread, for the hinted commit. A
-    /// change seen there stays recorded in the probe even if this future is
+    /// change seen there stays recorded in the watch even if this future is
     /// dropped, so the next `wait` reports it.
-    async fn watch_hint(&self, probe: &Arc<Mutex<Probe>>) -> bool {
-        let watcher = Arc::clone(probe);
-        let watch = tokio::task::spawn_blocking(move || {
+    async fn watch_hint(&self, watch: &Arc<Mutex<ChangeWatch>>) -> bool {
+        let watcher = Arc::clone(watch);
+        let looking = tokio::task::spawn_blocking(move || {
             let mut p = lock(&watcher);
             let until = std::time::Instant::now() + HINT_WINDOW;
             loop {
@@ -166,8 +166,8 @@ impl SqliteListener {
                 std::thread::sleep(HINT_STEP);
             }
         });
-        let _ = watch.await;
-        std::mem::take(&mut lock(probe).unreported)
+        let _ = looking.await;
+        std::mem::take(&mut lock(watch).unreported)
     }
 }
 
@@ -179,7 +179,7 @@ impl WorkListener for SqliteListener {
             if self.definite.take_change() {
                 return true;
             }
-            let Some(probe) = self.probe.clone() else {
+            let Some(watch) = self.watch.clone() else {
                 // No connection to see commits with: trust the signals.
                 if self.hint.take_change() || self.hinted {
                     self.hinted = false;
@@ -191,13 +191,13 @@ impl WorkListener for SqliteListener {
                     _ = tokio::time::sleep_until(deadline) => return false,
                 }
             };
-            if lock(&probe).take_change() {
+            if lock(&watch).take_change() {
                 self.hint.take_change();
                 return true;
             }
             if self.hint.take_change() || self.hinted {
                 self.hinted = false;
-                if self.watch_hint(&probe).await {
+                if self.watch_hint(&watch).await {
                     self.hint.take_change();
                     return true;
                 }

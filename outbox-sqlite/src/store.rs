@@ -561,23 +561,41 @@ enum OpOutcome {
     Conflict(String),
 }
 
+/// What an operator does to a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OperatorAction {
+    /// Poisoned → pending, attempts reset.
+    Retry,
+    /// Pending or poisoned → processed without delivery.
+    Discard,
+}
+
+impl OperatorAction {
+    fn doing(self) -> &'static str {
+        match self {
+            OperatorAction::Retry => "retrying a message",
+            OperatorAction::Discard => "discarding a message",
+        }
+    }
+}
+
 impl SqliteStore {
     async fn operator_action(
         &self,
-        what: &'static str,
+        action: OperatorAction,
         id: MessageId,
         by: &str,
         now: Timestamp,
     ) -> Result<()> {
         let by = by.to_owned();
         let outcome = self
-            .run(what, move |conn, sql| {
+            .run(action.doing(), move |conn, sql| {
                 let t = &sql.outbox;
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 let Some((state, last_error)) = state_of(&tx, t, id)? else {
                     return Ok(OpOutcome::NotFound);
                 };
-                let retry = what == "retrying a message";
+                let retry = action == OperatorAction::Retry;
                 if retry && state != "poisoned" {
                     return Ok(OpOutcome::Conflict(format!(
                         "message {id} is {state}, not poisoned; only poisoned messages can be retried"
@@ -657,12 +675,12 @@ impl OperatorStore for SqliteStore {
     }
 
     async fn retry(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
-        self.operator_action("retrying a message", id, by, now)
+        self.operator_action(OperatorAction::Retry, id, by, now)
             .await
     }
 
     async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
-        self.operator_action("discarding a message", id, by, now)
+        self.operator_action(OperatorAction::Discard, id, by, now)
             .await
     }
 }

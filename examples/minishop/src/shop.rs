@@ -58,7 +58,9 @@ impl Shop {
         let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
         let relay = |store, name: &str| {
             Relay::builder(store)
-                .worker_id(format!("minishop-{name}-{}", std::process::id()))
+                // Stable across restarts: a restarted MiniShop takes back
+                // the leases of the process before it at once.
+                .worker_id(format!("minishop-{name}"))
                 .batch_size(200)
                 // Commits in this process wake the relays at once; this is
                 // only the fallback for commits by other processes.
