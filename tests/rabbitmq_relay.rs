@@ -388,11 +388,12 @@ async fn end_to_end_every_property_reaches_the_handler() {
     let replies = receiver
         .db
         .sqlite()
-        .list(&ListQuery {
-            state: Some(MessageState::Pending),
-            message_type: Some("OrderAccepted".into()),
-            limit: 100,
-        })
+        .list(
+            &ListQuery::new()
+                .state(MessageState::Pending)
+                .message_type("OrderAccepted")
+                .limit(100),
+        )
         .await
         .unwrap();
     assert_eq!(replies.len(), 5);

@@ -46,13 +46,12 @@ async fn drain_bare(n: usize, batch: usize) -> f64 {
     loop {
         let now = Timestamp::now();
         let claimed = store
-            .claim(&ClaimRequest {
-                worker: "bare".into(),
-                limit: batch,
-                lease: Duration::from_secs(60),
+            .claim(&ClaimRequest::new(
+                "bare",
+                batch,
+                Duration::from_secs(60),
                 now,
-                kind: None,
-            })
+            ))
             .await
             .unwrap();
         if claimed.is_empty() {

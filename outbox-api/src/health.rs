@@ -37,6 +37,7 @@ pub enum TransportHealth {
 
 /// A health report: the status and why.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct HealthReport {
     /// The overall status.
     pub status: HealthStatus,
@@ -52,4 +53,40 @@ pub struct HealthReport {
     pub transport: TransportHealth,
     /// Whether the relay loop runs.
     pub relay_running: bool,
+}
+
+impl HealthReport {
+    /// A report of `status` with no reasons, an empty backlog and no
+    /// transport; fill it in with the `with_*` methods.
+    pub fn new(status: HealthStatus, relay_running: bool) -> Self {
+        HealthReport {
+            status,
+            reasons: Vec::new(),
+            pending: 0,
+            poisoned: 0,
+            oldest_pending_age: None,
+            transport: TransportHealth::None,
+            relay_running,
+        }
+    }
+
+    /// The reasons for anything but `Healthy`.
+    pub fn with_reasons(mut self, reasons: Vec<String>) -> Self {
+        self.reasons = reasons;
+        self
+    }
+
+    /// The backlog: pending and poisoned counts, the oldest pending age.
+    pub fn with_backlog(mut self, pending: u64, poisoned: u64, oldest: Option<Duration>) -> Self {
+        self.pending = pending;
+        self.poisoned = poisoned;
+        self.oldest_pending_age = oldest;
+        self
+    }
+
+    /// The transport's state.
+    pub fn with_transport(mut self, transport: TransportHealth) -> Self {
+        self.transport = transport;
+        self
+    }
 }

@@ -12,6 +12,7 @@ use crate::message::{Message, MessageId, MessageKind, MessageState, Timestamp};
 
 /// What a relay asks for when it claims work.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClaimRequest {
     /// The claiming relay's identity; stored as `locked_by`.
     pub worker: String,
@@ -28,6 +29,7 @@ pub struct ClaimRequest {
 
 /// A counted failure of one delivery.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Failure {
     /// The relay that held the lease.
     pub worker: String,
@@ -63,6 +65,7 @@ pub enum FailOutcome {
 
 /// An uncounted release of leased messages (outage, shutdown).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Release {
     /// The relay that held the leases.
     pub worker: String,
@@ -76,6 +79,7 @@ pub struct Release {
 
 /// Counts over the outbox table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct Stats {
     /// Messages waiting for delivery (including leased and delayed ones).
     pub pending: u64,
@@ -90,6 +94,7 @@ pub struct Stats {
 /// What health needs to know about an outbox table: the work waiting and
 /// how old it is — never the processed history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct Backlog {
     /// Messages waiting for delivery (including leased and delayed ones).
     pub pending: u64,
@@ -97,6 +102,94 @@ pub struct Backlog {
     pub poisoned: u64,
     /// `created_at` of the oldest pending message.
     pub oldest_pending_created_at: Option<Timestamp>,
+}
+
+impl ClaimRequest {
+    /// A claim of up to `limit` messages of either kind by `worker`, leased
+    /// for `lease` from `now`.
+    pub fn new(worker: impl Into<String>, limit: usize, lease: Duration, now: Timestamp) -> Self {
+        ClaimRequest {
+            worker: worker.into(),
+            limit,
+            lease,
+            now,
+            kind: None,
+        }
+    }
+
+    /// Claims only messages of `kind` (`None`: both kinds).
+    pub fn with_kind(mut self, kind: Option<MessageKind>) -> Self {
+        self.kind = kind;
+        self
+    }
+}
+
+impl Failure {
+    /// A counted failure of `id`, leased by `worker`, with `error`; retried
+    /// at `retry_at` unless it reaches `max_attempts`.
+    pub fn new(
+        worker: impl Into<String>,
+        id: MessageId,
+        error: impl Into<String>,
+        retry_at: Timestamp,
+        max_attempts: u32,
+        now: Timestamp,
+    ) -> Self {
+        Failure {
+            worker: worker.into(),
+            id,
+            error: error.into(),
+            retry_at,
+            max_attempts,
+            now,
+        }
+    }
+}
+
+impl Release {
+    /// Gives `ids` leased by `worker` back, claimable again at `available_at`.
+    pub fn new(worker: impl Into<String>, ids: Vec<MessageId>, available_at: Timestamp) -> Self {
+        Release {
+            worker: worker.into(),
+            ids,
+            error: None,
+            available_at,
+        }
+    }
+
+    /// Stores `error` as `last_error` (an outage); `None` leaves it.
+    pub fn with_error(mut self, error: Option<String>) -> Self {
+        self.error = error;
+        self
+    }
+}
+
+impl Stats {
+    /// Counts by state and the oldest pending message's `created_at`.
+    pub fn new(
+        pending: u64,
+        poisoned: u64,
+        processed: u64,
+        oldest_pending_created_at: Option<Timestamp>,
+    ) -> Self {
+        Stats {
+            pending,
+            poisoned,
+            processed,
+            oldest_pending_created_at,
+        }
+    }
+}
+
+impl Backlog {
+    /// The pending and poisoned counts and the oldest pending `created_at`.
+    pub fn new(pending: u64, poisoned: u64, oldest_pending_created_at: Option<Timestamp>) -> Self {
+        Backlog {
+            pending,
+            poisoned,
+            oldest_pending_created_at,
+        }
+    }
 }
 
 impl From<Stats> for Backlog {
@@ -293,6 +386,7 @@ impl WorkListener for WakeupListener {
 
 /// A query over messages, for operators.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct ListQuery {
     /// Only messages in this state.
     pub state: Option<MessageState>,
@@ -300,6 +394,31 @@ pub struct ListQuery {
     pub message_type: Option<String>,
     /// At most this many (oldest first); `0` means the backend default (100).
     pub limit: usize,
+}
+
+impl ListQuery {
+    /// Every message, oldest first, up to the backend's default limit.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only messages in `state`.
+    pub fn state(mut self, state: MessageState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Only messages of `message_type`.
+    pub fn message_type(mut self, message_type: impl Into<String>) -> Self {
+        self.message_type = Some(message_type.into());
+        self
+    }
+
+    /// At most `limit` (`0`: the backend default).
+    pub fn limit(mut self, limit: usize) -> Self {
+        self.limit = limit;
+        self
+    }
 }
 
 /// Operator functions over an outbox table: inspect, retry and discard.

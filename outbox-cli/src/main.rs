@@ -425,11 +425,13 @@ async fn stats(store: &SqliteStore, json: bool) -> Result<Output, CliError> {
 }
 
 async fn list(store: &SqliteStore, args: &ListArgs, json: bool) -> Result<Output, CliError> {
-    let query = ListQuery {
-        state: args.state.map(MessageState::from),
-        message_type: args.message_type.clone(),
-        limit: args.limit as usize,
-    };
+    let mut query = ListQuery::new().limit(args.limit as usize);
+    if let Some(state) = args.state {
+        query = query.state(MessageState::from(state));
+    }
+    if let Some(message_type) = &args.message_type {
+        query = query.message_type(message_type.clone());
+    }
     let messages = store.list(&query).await?;
     if json {
         let items: Vec<Value> = messages
@@ -510,11 +512,11 @@ async fn retry(store: &SqliteStore, args: &RetryArgs, json: bool) -> Result<Outp
                 Vec::new()
             } else {
                 store
-                    .list(&ListQuery {
-                        state: Some(MessageState::Poisoned),
-                        message_type: None,
-                        limit: usize::try_from(poisoned).unwrap_or(usize::MAX),
-                    })
+                    .list(
+                        &ListQuery::new()
+                            .state(MessageState::Poisoned)
+                            .limit(usize::try_from(poisoned).unwrap_or(usize::MAX)),
+                    )
                     .await?
             }
         }

@@ -34,13 +34,12 @@ fn enqueue(store: &SqliteStore, message: NewMessage) -> MessageId {
 }
 
 fn claim_one(worker: &str) -> ClaimRequest {
-    ClaimRequest {
-        worker: worker.into(),
-        limit: 1,
-        lease: Duration::from_secs(30),
-        now: Timestamp::now().add(Duration::from_secs(1)),
-        kind: None,
-    }
+    ClaimRequest::new(
+        worker,
+        1,
+        Duration::from_secs(30),
+        Timestamp::now().add(Duration::from_secs(1)),
+    )
 }
 
 async fn empty_db() -> (tempfile::TempDir, PathBuf, SqliteStore) {
@@ -65,14 +64,14 @@ async fn fixture() -> Fixture {
     let claimed = store.claim(&claim_one("w")).await.unwrap();
     assert_eq!(claimed[0].id, poisoned);
     let outcome = store
-        .fail(&Failure {
-            worker: "w".into(),
-            id: poisoned,
-            error: "boom: handler exploded".into(),
-            retry_at: Timestamp::now(),
-            max_attempts: 1,
-            now: Timestamp::now(),
-        })
+        .fail(&Failure::new(
+            "w",
+            poisoned,
+            "boom: handler exploded",
+            Timestamp::now(),
+            1,
+            Timestamp::now(),
+        ))
         .await
         .unwrap();
     assert_eq!(outcome, FailOutcome::Poisoned { attempts: 1 });

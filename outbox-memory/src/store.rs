@@ -353,12 +353,12 @@ impl Store for MemoryStore {
 
     async fn stats(&self) -> Result<Stats> {
         let inner = self.lock();
-        Ok(Stats {
-            pending: inner.pending.len() as u64,
-            poisoned: inner.poisoned.len() as u64,
-            processed: inner.processed.len() as u64,
-            oldest_pending_created_at: inner.pending.iter().map(|s| inner.rows[s].created_at).min(),
-        })
+        Ok(Stats::new(
+            inner.pending.len() as u64,
+            inner.poisoned.len() as u64,
+            inner.processed.len() as u64,
+            inner.pending.iter().map(|s| inner.rows[s].created_at).min(),
+        ))
     }
 
     async fn purge_processed(&self, before: Timestamp, limit: usize) -> Result<u64> {

@@ -312,11 +312,11 @@ fn backlog_of(conn: &Connection, t: &str) -> rusqlite::Result<Backlog> {
         ))?
         .query_row([], |r| r.get(0))
         .optional()?;
-    Ok(Backlog {
-        pending: count_state(conn, t, "pending")?,
-        poisoned: count_state(conn, t, "poisoned")?,
-        oldest_pending_created_at: oldest.map(Timestamp::from_millis),
-    })
+    Ok(Backlog::new(
+        count_state(conn, t, "pending")?,
+        count_state(conn, t, "poisoned")?,
+        oldest.map(Timestamp::from_millis),
+    ))
 }
 
 fn claim_blocking(
@@ -491,12 +491,12 @@ impl Store for SqliteStore {
             let backlog = backlog_of(&tx, &sql.outbox)?;
             let processed = count_state(&tx, &sql.outbox, "processed")?;
             tx.commit()?;
-            Ok(Stats {
-                pending: backlog.pending,
-                poisoned: backlog.poisoned,
+            Ok(Stats::new(
+                backlog.pending,
+                backlog.poisoned,
                 processed,
-                oldest_pending_created_at: backlog.oldest_pending_created_at,
-            })
+                backlog.oldest_pending_created_at,
+            ))
         })
         .await
     }

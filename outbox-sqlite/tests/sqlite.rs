@@ -17,13 +17,12 @@ fn domain(n: usize) -> NewMessage {
 }
 
 fn req(worker: &str, limit: usize) -> ClaimRequest {
-    ClaimRequest {
-        worker: worker.into(),
+    ClaimRequest::new(
+        worker,
         limit,
-        lease: Duration::from_secs(30),
-        now: Timestamp::now().add(Duration::from_secs(1)),
-        kind: None,
-    }
+        Duration::from_secs(30),
+        Timestamp::now().add(Duration::from_secs(1)),
+    )
 }
 
 async fn setup() -> (tempfile::TempDir, SqliteStore, SqlitePool) {
@@ -189,10 +188,7 @@ async fn corrupt_row_poisons_only_itself() {
     );
     // Operators still see the corrupt rows, and can discard them to unblock the key.
     let poisoned = store
-        .list(&outbox_api::ListQuery {
-            state: Some(MessageState::Poisoned),
-            ..Default::default()
-        })
+        .list(&outbox_api::ListQuery::new().state(MessageState::Poisoned))
         .await
         .unwrap();
     assert_eq!(poisoned.len(), 2);

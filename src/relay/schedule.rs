@@ -207,13 +207,10 @@ impl<'a> Scheduler<'a> {
             (false, false) => return None,
         };
         let cfg = self.config();
-        Some(ClaimRequest {
-            worker: cfg.worker_id.clone(),
-            limit: cfg.batch_size,
-            lease: cfg.lease,
-            now,
-            kind,
-        })
+        Some(
+            ClaimRequest::new(cfg.worker_id.clone(), cfg.batch_size, cfg.lease, now)
+                .with_kind(kind),
+        )
     }
 
     /// Starts a store round if there is anything to record or claim.

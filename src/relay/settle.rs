@@ -166,12 +166,7 @@ impl Relay {
     }
 
     fn release_of(&self, ids: Vec<MessageId>, error: Option<String>, at: Timestamp) -> Release {
-        Release {
-            worker: self.inner.config.worker_id.clone(),
-            ids,
-            error,
-            available_at: at,
-        }
+        Release::new(self.inner.config.worker_id.clone(), ids, at).with_error(error)
     }
 
     async fn record_failure(
@@ -186,14 +181,14 @@ impl Relay {
         let outcome = self
             .inner
             .store
-            .fail(&Failure {
-                worker: cfg.worker_id.clone(),
-                id: m.id,
-                error: error.to_owned(),
+            .fail(&Failure::new(
+                cfg.worker_id.clone(),
+                m.id,
+                error.to_owned(),
                 retry_at,
-                max_attempts: cfg.max_attempts,
+                cfg.max_attempts,
                 now,
-            })
+            ))
             .await?;
         match outcome {
             FailOutcome::Retrying { attempts } => {

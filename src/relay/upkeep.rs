@@ -104,14 +104,9 @@ impl Relay {
         } else {
             HealthStatus::Degraded
         };
-        HealthReport {
-            status,
-            reasons,
-            pending,
-            poisoned,
-            oldest_pending_age: oldest,
-            transport,
-            relay_running: running,
-        }
+        HealthReport::new(status, running)
+            .with_reasons(reasons)
+            .with_backlog(pending, poisoned, oldest)
+            .with_transport(transport)
     }
 }

@@ -203,13 +203,12 @@ impl World {
                 let claimed = self
                     .fixture
                     .store()
-                    .claim(&ClaimRequest {
-                        worker: "crashing".into(),
-                        limit: 1,
-                        lease: Duration::from_secs(60),
-                        now: self.clock.now(),
-                        kind: None,
-                    })
+                    .claim(&ClaimRequest::new(
+                        "crashing",
+                        1,
+                        Duration::from_secs(60),
+                        self.clock.now(),
+                    ))
                     .await
                     .expect("claim");
                 for m in &claimed {
@@ -231,11 +230,7 @@ impl World {
             Op::RetryPoisoned => {
                 let store = self.fixture.store();
                 let poisoned = store
-                    .list(&ListQuery {
-                        state: Some(MessageState::Poisoned),
-                        limit: 1000,
-                        ..Default::default()
-                    })
+                    .list(&ListQuery::new().state(MessageState::Poisoned).limit(1000))
                     .await
                     .expect("list");
                 for m in poisoned {
@@ -260,10 +255,7 @@ impl World {
     async fn rows(&self) -> Vec<Message> {
         self.fixture
             .store()
-            .list(&ListQuery {
-                limit: 100_000,
-                ..Default::default()
-            })
+            .list(&ListQuery::new().limit(100_000))
             .await
             .expect("list")
     }

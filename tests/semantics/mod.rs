@@ -359,13 +359,7 @@ pub async fn crash_redelivers_after_lease(f: Fixture, clock: Arc<ManualClock>) {
     let lease = Duration::from_secs(60);
     let claimed = f
         .store()
-        .claim(&ClaimRequest {
-            worker: "crashed".into(),
-            limit: 10,
-            lease,
-            now: clock.now_ts(),
-            kind: None,
-        })
+        .claim(&ClaimRequest::new("crashed", 10, lease, clock.now_ts()))
         .await
         .unwrap();
     assert_eq!(claimed.len(), 1);
@@ -796,13 +790,12 @@ pub async fn a_restarted_relay_takes_back_its_own_leases(f: Fixture, clock: Arc<
     // The previous process claimed them under a 60 s lease and died.
     let claimed = f
         .store()
-        .claim(&ClaimRequest {
-            worker: id.clone(),
-            limit: 10,
-            lease: Duration::from_secs(60),
-            now: clock.now_ts(),
-            kind: None,
-        })
+        .claim(&ClaimRequest::new(
+            id.clone(),
+            10,
+            Duration::from_secs(60),
+            clock.now_ts(),
+        ))
         .await
         .unwrap();
     assert_eq!(claimed.len(), 3);
@@ -935,10 +928,7 @@ pub async fn health_reports(f: Fixture, clock: Arc<ManualClock>) {
     assert_eq!((r.status, r.poisoned), (HealthStatus::Degraded, 1));
     let poisoned = f
         .store()
-        .list(&outbox::ListQuery {
-            state: Some(MessageState::Poisoned),
-            ..Default::default()
-        })
+        .list(&outbox::ListQuery::new().state(MessageState::Poisoned))
         .await
         .unwrap();
     f.store()

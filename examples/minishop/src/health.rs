@@ -141,19 +141,15 @@ mod tests {
         age_ms: Option<u64>,
         t: TransportHealth,
     ) -> HealthReport {
-        HealthReport {
-            status,
-            reasons: if status == HealthStatus::Healthy {
-                vec![]
-            } else {
-                vec!["something".into()]
-            },
-            pending,
-            poisoned: 0,
-            oldest_pending_age: age_ms.map(Duration::from_millis),
-            transport: t,
-            relay_running: status != HealthStatus::Unhealthy,
-        }
+        let reasons = if status == HealthStatus::Healthy {
+            vec![]
+        } else {
+            vec!["something".into()]
+        };
+        HealthReport::new(status, status != HealthStatus::Unhealthy)
+            .with_reasons(reasons)
+            .with_backlog(pending, 0, age_ms.map(Duration::from_millis))
+            .with_transport(t)
     }
 
     #[test]
