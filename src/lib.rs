@@ -8,7 +8,25 @@ mod relay;
 pub use config::RelayConfig;
 pub use relay::{DrainReport, Relay, RelayBuilder, RelayHandle};
 
-pub use outbox_api::*;
+// The contracts, named one by one so that the facade's surface is a
+// decision, not whatever `outbox-api` happens to export.
+/// Helpers for authors of stores and transports.
+pub use outbox_api::backend;
+/// The conformance suite every store and transport runs (feature `testing`
+/// of `outbox-api`).
+#[cfg(feature = "testing")]
+pub use outbox_api::testing;
+/// W3C trace context helpers.
+pub use outbox_api::trace;
+pub use outbox_api::{
+    Backlog, ClaimRequest, Clock, Destination, Dispatcher, Enqueue, Error, ErrorKind, FailOutcome,
+    Failure, Handler, HandlerError, HandlerOutcome, Handlers, HealthReport, HealthStatus,
+    ListQuery, ManualClock, Message, MessageContext, MessageId, MessageKind, MessageState,
+    NewMessage, NoHandler, OperatorStore, OutboxMessage, Outcome, Release, Result, RetryPolicy,
+    Stats, Store, SystemClock, TemporarilyUnavailable, Timestamp, TokioClock, Transport,
+    TransportHealth, WorkListener, error_chain, is_valid_traceparent, limits, panic_message,
+    run_guarded,
+};
 
 /// The in-memory backend (feature `memory`).
 #[cfg(feature = "memory")]

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use outbox::memory::MemoryStore;
-use outbox::testing::StoreUnderTest;
 use outbox::{Handlers, Message, MessageKind, NewMessage, Relay};
+use outbox_api::testing::StoreUnderTest;
 use outbox_sqlite::testing::SqlxUnderTest;
 use proptest::prelude::*;
 

@@ -13,8 +13,8 @@ use async_trait::async_trait;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider, SpanData};
 use outbox::memory::MemoryStore;
-use outbox::testing::StoreUnderTest;
 use outbox::{HandlerError, Handlers, Message, MessageKind, NewMessage, OperatorStore, Relay};
+use outbox_api::testing::StoreUnderTest;
 use outbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use outbox_rabbitmq::lapin::types::FieldTable;
 use outbox_rabbitmq::lapin::{Connection, ConnectionProperties};
@@ -200,7 +200,7 @@ async fn trace_id_continues_across_rabbitmq() {
             .await;
         part(&tp, 1)
     };
-    outbox::testing::wait_until(
+    outbox_api::testing::wait_until(
         "the consumer handled the message",
         Duration::from_secs(30),
         || async { !recorder.0.lock().unwrap().is_empty() },

@@ -211,7 +211,7 @@ async fn a_send_that_never_answers_times_out_uncounted_and_is_sent_again() {
         .poll_interval(Duration::from_millis(50))
         .spawn()
         .unwrap();
-    outbox::testing::wait_until("the message is processed", Duration::from_secs(20), || {
+    outbox_api::testing::wait_until("the message is processed", Duration::from_secs(20), || {
         let store = store.clone();
         async move { store.get(id).await.unwrap().unwrap().state == MessageState::Processed }
     })
@@ -289,7 +289,7 @@ async fn a_long_purge_never_delays_deliveries() {
         .spawn()
         .unwrap();
     let started = store.purges_started.clone();
-    outbox::testing::wait_until("the purge is running", Duration::from_secs(20), || {
+    outbox_api::testing::wait_until("the purge is running", Duration::from_secs(20), || {
         let n = started.load(std::sync::atomic::Ordering::SeqCst);
         async move { n >= 1 }
     })
@@ -298,7 +298,7 @@ async fn a_long_purge_never_delays_deliveries() {
     tx.enqueue(NewMessage::new(MessageKind::Domain, "Ok", b"x".to_vec()))
         .unwrap();
     tx.commit().unwrap();
-    outbox::testing::wait_until(
+    outbox_api::testing::wait_until(
         "the message is delivered while the purge still runs",
         Duration::from_secs(20),
         || {

@@ -86,7 +86,7 @@ async fn a_probe_that_never_returns_holds_up_no_domain_message() {
             .unwrap();
     }
     assert_eq!(count.load(Ordering::SeqCst), 5);
-    outbox::testing::wait_until(
+    outbox_api::testing::wait_until(
         "the hung probe is cut off and tried again",
         DEADLINE,
         || async { transport.probes.load(Ordering::SeqCst) >= 2 },
@@ -184,7 +184,7 @@ struct PanicsOnClaim(MemoryStore, Arc<AtomicBool>);
 impl Store for PanicsOnClaim {
     async fn claim(&self, r: &ClaimRequest) -> outbox::Result<Vec<Message>> {
         if self.1.load(Ordering::SeqCst) {
-            panic!("{}claim blew up", outbox::testing::DELIBERATE);
+            panic!("{}claim blew up", outbox_api::testing::DELIBERATE);
         }
         self.0.claim(r).await
     }
@@ -212,7 +212,7 @@ impl Store for PanicsOnClaim {
 /// `is_running` false, `until_idle` an error instead of a hang.
 #[tokio::test]
 async fn a_dead_relay_task_is_reported() {
-    outbox::testing::quiet_deliberate_panics();
+    outbox_api::testing::quiet_deliberate_panics();
     let store = MemoryStore::new();
     let armed = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicUsize::new(0));

@@ -8,13 +8,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod backend;
 mod dispatch;
 mod enqueue;
 mod error;
 mod guard;
 mod health;
 mod message;
-pub mod purge;
+mod purge;
 mod retry;
 mod store;
 pub mod trace;
@@ -28,7 +29,7 @@ pub use dispatch::{
     panic_message,
 };
 pub use enqueue::Enqueue;
-pub use error::{Error, ErrorKind, Result, redact_url};
+pub use error::{Error, ErrorKind, Result};
 pub use guard::{HandlerOutcome, TemporarilyUnavailable, run_guarded};
 pub use health::{HealthReport, HealthStatus, TransportHealth};
 pub use message::{
@@ -38,7 +39,6 @@ pub use message::{
 pub use retry::RetryPolicy;
 pub use store::{
     Backlog, ClaimRequest, Clock, FailOutcome, Failure, ListQuery, ManualClock, OperatorStore,
-    Release, Stats, Store, SystemClock, TokioClock, Wakeup, WakeupListener, WorkListener,
-    audit_note,
+    Release, Stats, Store, SystemClock, TokioClock, WorkListener,
 };
 pub use transport::{Outcome, Transport};

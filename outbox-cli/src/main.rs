@@ -635,7 +635,7 @@ async fn discard(
 async fn purge(store: &SqliteStore, older_than: Duration, json: bool) -> Result<Output, CliError> {
     let before = Timestamp::now().sub(older_than);
     // Batches that rest between them, so the application's writers get in.
-    let purged = outbox_api::purge::purge_in_batches(
+    let purged = outbox_api::backend::purge_in_batches(
         PURGE_BATCH,
         || false,
         |limit| store.purge_processed(before, limit),

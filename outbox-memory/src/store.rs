@@ -2,10 +2,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
+use outbox_api::backend::{Wakeup, audit_note};
 use outbox_api::{
     ClaimRequest, Clock, Enqueue, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message,
     MessageId, MessageState, NewMessage, OperatorStore, Release, Result, Stats, Store, SystemClock,
-    Timestamp, Wakeup, WorkListener, audit_note,
+    Timestamp, WorkListener,
 };
 
 /// An outbox table (plus inbox) in memory, with transactions.

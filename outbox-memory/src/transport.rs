@@ -2,7 +2,8 @@ use std::collections::HashSet;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use outbox_api::{Message, MessageId, Outcome, Transport, Wakeup, WakeupListener};
+use outbox_api::backend::{Wakeup, WakeupListener};
+use outbox_api::{Message, MessageId, Outcome, Transport};
 
 /// A transport that records what it delivered, with faults a test can
 /// switch on through its [`MemoryTransportHandle`] (in the manner of

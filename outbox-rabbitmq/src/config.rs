@@ -4,7 +4,8 @@ use std::fmt;
 use std::time::Duration;
 
 use lapin::uri::{AMQPScheme, AMQPUri};
-use outbox_api::{Error, Result, redact_url};
+use outbox_api::backend::redact_url;
+use outbox_api::{Error, Result};
 
 use crate::transport::RabbitTransport;
 

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_api::{Wakeup, WakeupListener, WorkListener};
+use outbox_api::WorkListener;
+use outbox_api::backend::{Wakeup, WakeupListener};
 use rusqlite::Connection;
 use tokio::time::Instant;
 

@@ -6,10 +6,11 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_api::backend::audit_note;
 use outbox_api::{
     Backlog, ClaimRequest, Clock, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message,
     MessageId, MessageState, OperatorStore, Release, Result, Stats, Store, SystemClock, Timestamp,
-    WorkListener, audit_note,
+    WorkListener,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 

@@ -14,8 +14,8 @@ impl Relay {
         };
         let before = self.now().sub(retention);
         let store = &self.inner.store;
-        // Batches with rests between them: see `outbox_api::purge`.
-        outbox_api::purge::purge_in_batches(
+        // Batches with rests between them: see `outbox_api::backend::purge_in_batches`.
+        outbox_api::backend::purge_in_batches(
             self.inner.config.purge_batch,
             || self.stopping(),
             |limit| store.purge_processed(before, limit),

@@ -12,11 +12,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox::memory::{MemoryStore, MemoryTransport, MemoryTransportHandle};
-use outbox::testing::StoreUnderTest;
 use outbox::{
     ClaimRequest, Clock, Dispatcher, Handlers, ListQuery, ManualClock, Message, MessageId,
     MessageKind, MessageState, NewMessage, Relay, Timestamp, Transport,
 };
+use outbox_api::testing::StoreUnderTest;
 use proptest::prelude::*;
 
 pub const MAX_ATTEMPTS: u32 = 3;
@@ -144,7 +144,7 @@ fn dispatcher(sink: Arc<Mutex<Sink>>) -> Handlers {
         let result: Result<(), String> = if *calls <= n {
             if how == "panic" {
                 drop(sink);
-                panic!("{}handler panicked", outbox::testing::DELIBERATE);
+                panic!("{}handler panicked", outbox_api::testing::DELIBERATE);
             }
             Err("handler failed on purpose".into())
         } else {
@@ -438,7 +438,7 @@ pub async fn run_case(
 
 /// 64 cases per backend by default; `PROPTEST_CASES` for long runs.
 pub fn config() -> ProptestConfig {
-    outbox::testing::quiet_deliberate_panics();
+    outbox_api::testing::quiet_deliberate_panics();
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|c| c.parse().ok())

@@ -10,11 +10,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox::memory::{MemoryTransport, MemoryTransportHandle};
-use outbox::testing::StoreUnderTest;
 use outbox::{
     ClaimRequest, Handlers, HealthStatus, ManualClock, Message, MessageId, MessageKind,
     MessageState, NewMessage, Relay, RelayBuilder, Timestamp, TransportHealth,
 };
+use outbox_api::testing::StoreUnderTest;
 
 pub type Fixture = Box<dyn StoreUnderTest>;
 
@@ -77,7 +77,7 @@ pub fn handlers(log: &Log) -> Handlers {
             c.push(m);
             async {
                 if true {
-                    panic!("{}handler blew up", outbox::testing::DELIBERATE);
+                    panic!("{}handler blew up", outbox_api::testing::DELIBERATE);
                 }
                 Ok::<_, std::io::Error>(())
             }
@@ -121,7 +121,7 @@ pub async fn wait_until<Fut: std::future::Future<Output = bool>>(
     what: &str,
     cond: impl FnMut() -> Fut,
 ) {
-    outbox::testing::wait_until(what, DEADLINE, cond).await;
+    outbox_api::testing::wait_until(what, DEADLINE, cond).await;
 }
 
 // ---------------------------------------------------------------- rules
@@ -1033,7 +1033,7 @@ macro_rules! semantics_tests {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
-                outbox::testing::quiet_deliberate_panics();
+                outbox_api::testing::quiet_deliberate_panics();
                 let clock = semantics::clock();
                 let fixture = <$backend as semantics::Backend>::fresh(clock.clone()).await;
                 semantics::$name(fixture, clock).await;

@@ -147,7 +147,8 @@ pub async fn delete_isolated(url: &str, names: &AmqpNames) {
         Ok(Err(e)) => tracing::warn!(
             "could not delete this run's queues and exchanges ({}): {}",
             names.exchange,
-            e.to_string().replace(url, &outbox::redact_url(url))
+            e.to_string()
+                .replace(url, &outbox::backend::redact_url(url))
         ),
         Err(_) => tracing::warn!("timed out deleting this run's queues and exchanges"),
     }

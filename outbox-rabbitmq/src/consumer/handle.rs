@@ -91,7 +91,7 @@ pub(super) async fn purge_inbox_loop(
     while !*shutdown.borrow() {
         let before = outbox_api::Timestamp::now().sub(retention);
         let stop = shutdown.clone();
-        let purged = outbox_api::purge::purge_in_batches(
+        let purged = outbox_api::backend::purge_in_batches(
             RabbitConsumerBuilder::INBOX_PURGE_BATCH,
             || *stop.borrow(),
             |limit| outbox.purge_inbox(&pool, before, limit),

@@ -1,0 +1,15 @@
+//! Helpers for authors of stores and transports. Using outbox-rs needs none
+//! of them; a backend uses them so that every backend behaves alike.
+//!
+//! * [`purge_in_batches`] — delete old rows in small batches that rest
+//!   between them, so writers are never starved (relay retention, inbox
+//!   purges);
+//! * [`audit_note`] — the `last_error` text an operator action leaves;
+//! * [`Wakeup`] / [`WakeupListener`] — an in-process "something was
+//!   committed" signal to build a [`WorkListener`](crate::WorkListener) from;
+//! * [`redact_url`] — a connection URL with its password hidden, for
+//!   `Debug`, logs and errors.
+
+pub use crate::error::redact_url;
+pub use crate::purge::{purge_in_batches, rest_after};
+pub use crate::store::{Wakeup, WakeupListener, audit_note};
