@@ -27,6 +27,12 @@ pub enum Fate {
     Fail(u8),
     /// Domain: panic the first `n` calls, then succeed.
     Panic(u8),
+    /// Domain: succeed after `n` ms, so deliveries overlap and end out of
+    /// order.
+    Slow(u8),
+    /// Domain: say "temporarily unavailable" the first `n` calls (never
+    /// counted), then succeed.
+    Unavailable(u8),
     /// Integration: delivered when the transport is up.
     Out,
     /// Integration: always rejected by the broker.
@@ -62,6 +68,8 @@ fn spec() -> impl Strategy<Value = Spec> {
         4 => (0u8..2).prop_map(Fate::Fail),
         1 => (2u8..5).prop_map(Fate::Fail),
         1 => (0u8..3).prop_map(Fate::Panic),
+        1 => (1u8..4).prop_map(Fate::Slow),
+        1 => (1u8..3).prop_map(Fate::Unavailable),
         3 => Just(Fate::Out),
         1 => Just(Fate::Refused),
     ];
@@ -114,6 +122,12 @@ fn payload(spec: &Spec) -> (MessageKind, &'static str, Vec<u8>) {
     match spec.fate {
         Fate::Fail(n) => (MessageKind::Domain, "M", format!("fail:{n}").into_bytes()),
         Fate::Panic(n) => (MessageKind::Domain, "M", format!("panic:{n}").into_bytes()),
+        Fate::Slow(n) => (MessageKind::Domain, "M", format!("slow:{n}").into_bytes()),
+        Fate::Unavailable(n) => (
+            MessageKind::Domain,
+            "M",
+            format!("unavailable:{n}").into_bytes(),
+        ),
         Fate::Out => (MessageKind::Integration, "Out", Vec::new()),
         Fate::Refused => (MessageKind::Integration, "Refused", Vec::new()),
     }
@@ -141,24 +155,44 @@ fn dispatcher(sink: Arc<Mutex<Sink>>) -> Handlers {
         let mut sink = sink.lock().unwrap();
         let calls = sink.calls.entry(m.id).or_default();
         *calls += 1;
-        let result: Result<(), String> = if *calls <= n {
-            if how == "panic" {
-                drop(sink);
-                panic!("{}handler panicked", outbox_api::testing::DELIBERATE);
+        let mut pause = Duration::ZERO;
+        let result: Result<(), outbox::HandlerError> = if how == "slow" {
+            pause = Duration::from_millis(n.into());
+            record(&receiver, &mut sink, m.id);
+            Ok(())
+        } else if *calls <= n {
+            match how {
+                "panic" => {
+                    drop(sink);
+                    panic!("{}handler panicked", outbox_api::testing::DELIBERATE);
+                }
+                "unavailable" => {
+                    Err(outbox::TemporarilyUnavailable::new("downstream down (model)").into())
+                }
+                _ => Err("handler failed on purpose".into()),
             }
-            Err("handler failed on purpose".into())
         } else {
-            let mut tx = receiver.begin();
-            if tx.try_receive("model", m.id) {
-                tx.commit().expect("receiver commit");
-                sink.effects.push(m.id);
-            } else {
-                sink.duplicates += 1;
-            }
+            record(&receiver, &mut sink, m.id);
             Ok(())
         };
-        async move { result }
+        async move {
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            result
+        }
     })
+}
+
+/// The handler's effect, through the receiver's inbox.
+fn record(receiver: &MemoryStore, sink: &mut Sink, id: MessageId) {
+    let mut tx = receiver.begin();
+    if tx.try_receive("model", id) {
+        tx.commit().expect("receiver commit");
+        sink.effects.push(id);
+    } else {
+        sink.duplicates += 1;
+    }
 }
 
 impl World {
@@ -277,8 +311,12 @@ impl World {
                 "attempts {} exceed the max",
                 m.attempts
             );
-            if matches!(spec.fate, Fate::Out) {
-                assert_eq!(m.attempts, 0, "outages never count (message {})", m.id);
+            if matches!(spec.fate, Fate::Out | Fate::Slow(_) | Fate::Unavailable(_)) {
+                assert_eq!(
+                    m.attempts, 0,
+                    "outages and unavailable handlers never count (message {})",
+                    m.id
+                );
             }
             if self.poisoned.contains(&m.id) {
                 assert_eq!(
@@ -320,7 +358,8 @@ impl World {
     /// loop stops as soon as every message is settled.
     async fn finish(&mut self) {
         self.transport_handle.set_up();
-        let budget = self.committed.len() * MAX_ATTEMPTS as usize + 2;
+        // A handler that says "unavailable" adds up to 2 uncounted rounds.
+        let budget = self.committed.len() * (MAX_ATTEMPTS as usize + 2) + 2;
         for _ in 0..budget {
             if self.unsettled(&self.rows().await).is_none() {
                 break;
@@ -351,7 +390,7 @@ impl World {
                     ),
                 },
                 MessageState::Poisoned => assert!(
-                    !matches!(spec.fate, Fate::Out),
+                    !matches!(spec.fate, Fate::Out | Fate::Slow(_) | Fate::Unavailable(_)),
                     "a deliverable message was poisoned"
                 ),
                 MessageState::Pending => {}
