@@ -554,7 +554,7 @@ pub async fn retention_purges_in_batches(f: Fixture, clock: Arc<ManualClock>) {
 /// used up the lease, the rest of the batch goes back untouched and comes
 /// again under a fresh lease, still in key order — so no other relay can
 /// take a message while a handler runs on it.
-pub async fn waves_never_outlive_their_lease(f: Fixture, clock: Arc<ManualClock>) {
+pub async fn a_keys_later_messages_never_outlive_their_lease(f: Fixture, clock: Arc<ManualClock>) {
     // Per handler call: payload, when it started, and its row's lease end.
     type Call = (String, Timestamp, Option<Timestamp>);
     let calls: Arc<Mutex<Vec<Call>>> = Default::default();
@@ -1022,7 +1022,7 @@ macro_rules! semantics_tests {
             original_configuration, batches_drain_until_empty, each_message_in_its_own_scope,
             processed_only_after_success, outage_does_not_count, crash_redelivers_after_lease,
             many_relays_deliver_each_once, per_key_order, poison_parks_only_its_key,
-            retention_purges_in_batches, waves_never_outlive_their_lease,
+            retention_purges_in_batches, a_keys_later_messages_never_outlive_their_lease,
             shutdown_finishes_and_releases, health_reports,
             commit_wakes_relay, bad_configuration_is_refused, a_slow_handler_holds_one_slot,
             deliveries_waiting_for_a_slot_never_outlive_their_lease,
