@@ -16,7 +16,7 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox_api::testing::wait_until;
 use outbox_api::{Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport};
 use outbox_rabbitmq::RabbitTransport;
-use outbox_rabbitmq::testing::{amqp_url_from_env, unique_name};
+use outbox_rabbitmq::testing::{TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via};
 use tokio::sync::Barrier;
 
 /// Generous: the machine running the tests may be busy.
@@ -406,5 +406,66 @@ async fn returned_messages_reach_their_own_call() {
             }
         }
     }
+    fx.cleanup().await;
+}
+
+/// A lost connection is an outage, not a refusal: concurrent calls cut
+/// mid-flight answer `Delivered` or `Unavailable`, never `Rejected`, and
+/// once the connection heals the unavailable ones go out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_connection_is_unavailable_for_every_concurrent_call() {
+    let fx = Fixture::new().await;
+    let url = amqp_url_from_env();
+    let proxy = TcpProxy::start(broker_addr(&url).await).await;
+    let transport = Arc::new(
+        RabbitTransport::builder(url_via(&url, proxy.addr()))
+            .with_confirm_timeout(Duration::from_secs(5))
+            .with_connect_timeout(Duration::from_secs(3))
+            .with_reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .build()
+            .await
+            .expect("connect through the proxy"),
+    );
+    let batch: Vec<Message> = (0..400).map(|n| fx.deliverable(n)).collect();
+    let sending = {
+        let (transport, batch) = (Arc::clone(&transport), batch.clone());
+        tokio::spawn(async move { send_concurrently(&transport, &batch, 8).await })
+    };
+    // Cut once messages are flowing.
+    wait_until("the first messages arrived", PATIENCE, || {
+        let flowing = !fx.received().is_empty();
+        async move { flowing }
+    })
+    .await;
+    proxy.cut();
+    let outcomes = sending.await.expect("send task");
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, Outcome::Delivered | Outcome::Unavailable(_))),
+        "{outcomes:?}"
+    );
+    let unavailable = outcomes
+        .iter()
+        .filter(|o| **o != Outcome::Delivered)
+        .count();
+    eprintln!("{unavailable} of 400 unavailable after the cut");
+
+    proxy.heal();
+    wait_until("the transport is back", PATIENCE, || {
+        let transport = Arc::clone(&transport);
+        async move { transport.probe().await.is_ok() }
+    })
+    .await;
+    let again: Vec<Message> = batch
+        .iter()
+        .zip(&outcomes)
+        .filter(|(_, o)| **o != Outcome::Delivered)
+        .map(|(m, _)| m.clone())
+        .collect();
+    let outcomes = send_concurrently(&transport, &again, 4).await;
+    assert_eq!(outcomes, vec![Outcome::Delivered; again.len()]);
+    let ids: Vec<MessageId> = batch.iter().map(|m| m.id).collect();
+    fx.wait_received(&ids).await;
     fx.cleanup().await;
 }
