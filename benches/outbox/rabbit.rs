@@ -1,12 +1,16 @@
 //! Figures against a real RabbitMQ (`OUTBOX_AMQP_URL`): relay drain beside
-//! bare lapin publishing with confirms at the same window, and commit →
-//! broker-confirm latency at 1k msg/s offered.
+//! bare lapin publishing with confirms at the same window (publish a window,
+//! await it all), bare lapin with a continuous window beside that, and
+//! commit → broker-confirm latency at 1k msg/s offered.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use futures_util::future::join_all;
+use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 use outbox::memory::MemoryStore;
 use outbox::{Message, MessageId, MessageKind, NewMessage, Outcome, Relay, Transport};
 use outbox_rabbitmq::RabbitTransport;
@@ -118,6 +122,55 @@ async fn bare_lapin(b: &Broker, n: usize, window: usize) -> f64 {
             assert!(c.await.unwrap().is_ack());
         }
         sent = end;
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Bare lapin: persistent, mandatory, confirms; keep `window` publishes
+/// unconfirmed, publishing a new one as each confirm comes back (the
+/// confirms that came back together are replaced together, their publishes
+/// queued at once and awaited together).
+async fn bare_lapin_continuous(b: &Broker, n: usize, window: usize) -> f64 {
+    let ch = b.connection.create_channel().await.unwrap();
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let publish = |i: usize| {
+        let props = BasicProperties::default()
+            .with_message_id(MessageId::new().to_string().into())
+            .with_type("Bench".into())
+            .with_content_type("application/octet-stream".into())
+            .with_delivery_mode(2);
+        let (ch, queue, body) = (ch.clone(), b.queue.clone(), payload(i));
+        async move {
+            ch.basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                &body,
+                props,
+            )
+            .await
+        }
+    };
+    let start = Instant::now();
+    let mut in_flight = FuturesUnordered::new();
+    let (mut sent, mut confirmed) = (0, 0);
+    while confirmed < n {
+        let free = (window - in_flight.len()).min(n - sent);
+        let published = join_all((sent..sent + free).map(publish)).await;
+        in_flight.extend(published.into_iter().map(Result::unwrap));
+        sent += free;
+        let confirm = in_flight.next().await.expect("a publish in flight");
+        assert!(confirm.unwrap().is_ack());
+        confirmed += 1;
+        while let Some(Some(confirm)) = in_flight.next().now_or_never() {
+            assert!(confirm.unwrap().is_ack());
+            confirmed += 1;
+        }
     }
     n as f64 / start.elapsed().as_secs_f64()
 }
@@ -250,19 +303,33 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
     let mut out = Vec::new();
     for window in [100, 500] {
         // The broker's own rate drifts within a run (its disk, its queues):
-        // bare lapin and the two relays take turns, `rounds` times, and each
-        // figure is the median of its runs.
-        let (mut bares, mut mems, mut sqls) = (Vec::new(), Vec::new(), Vec::new());
+        // bare lapin (both ways) and the two relays take turns, `rounds`
+        // times, and each figure is the median of its runs.
+        let (mut bares, mut conts, mut mems, mut sqls) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..rounds {
             b.purge().await;
             bares.push(bare_lapin(&b, n, window).await);
+            b.purge().await;
+            conts.push(bare_lapin_continuous(&b, n, window).await);
             b.purge().await;
             mems.push(relay_memory(&b, n, window).await);
             b.purge().await;
             sqls.push(relay_sqlite(&b, n, window).await);
         }
         b.purge().await;
-        let (bare, mem, sql) = (median(bares), median(mems), median(sqls));
+        let (bare, cont, mem, sql) = (median(bares), median(conts), median(mems), median(sqls));
+        out.push(
+            Figure::new(
+                format!(
+                    "bare lapin to RabbitMQ (persistent, confirms), continuous window {window} (a publish per confirm), {n} messages, median of {rounds}"
+                ),
+                cont,
+                "msg/s",
+                "—",
+            )
+            .beside(format!("bare lapin, confirms, window {window}"), bare),
+        );
         out.push(
             Figure::new(
                 format!(

@@ -29,6 +29,15 @@ pub enum Outcome {
 ///   will send it again (at-least-once), never lose it.
 /// * Messages of one batch are sent in the order given (the relay puts at
 ///   most one message per ordering key in a batch).
+/// * `send` may be called concurrently, from several tasks, to keep more
+///   messages unconfirmed at once; an implementation must not mix up the
+///   outcomes of concurrent calls. Concurrent calls never hold two messages
+///   of one ordering key: the relay hands a key's next message to `send`
+///   only after the call holding the previous one returned. Order between
+///   concurrent calls is not defined.
+/// * A refusal caused by one message (it cannot be routed, its destination
+///   refuses it, it is too large) is that message's `Rejected`, never
+///   `Unavailable` for the others.
 /// * After an `Unavailable`, the transport recovers by itself (reconnect with
 ///   backoff); [`probe`](Transport::probe) tells the relay when it is back.
 /// * A send should end within the transport's own timeouts. The relay drops
