@@ -4,7 +4,7 @@
 //! database. Fails (never skips) when `OUTBOX_AMQP_URL` is unset.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,10 +15,13 @@ use outbox::{
 };
 use outbox_api::testing::wait_until;
 use outbox_rabbitmq::lapin::options::{
-    BasicGetOptions, BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicGetOptions, BasicPublishOptions, ExchangeDeclareOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use outbox_rabbitmq::lapin::types::{FieldTable, ShortString};
-use outbox_rabbitmq::lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use outbox_rabbitmq::lapin::{
+    BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind,
+};
 use outbox_rabbitmq::testing::{
     TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via, url_with_password,
 };
@@ -464,6 +467,79 @@ async fn unroutable_is_rejected_counted_and_poisoned_while_others_flow() {
         health.reasons.iter().any(|r| r.contains("poisoned")),
         "{health:?}"
     );
+    consumer.shutdown().await;
+    relay.shutdown().await;
+    broker.cleanup().await;
+}
+
+/// One refused destination stalls nothing: a message to an exchange
+/// declared `internal` (the broker answers ACCESS_REFUSED and closes the
+/// channel) among 200 good ones. The 200 arrive, the refused one is
+/// counted and poisoned, and the transport is never reported down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_destination_is_that_messages_failure_and_stalls_nothing() {
+    let broker = Broker::new().await;
+    let internal = unique_name("internal");
+    broker
+        .channel
+        .exchange_declare(
+            internal.as_str().into(),
+            ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                internal: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare an internal exchange");
+    let producer = producer().await;
+    let receiver = Receiver::new().await;
+    let consumer = receiver.consume(&broker, Recorder::default()).await;
+    let relay = Relay::builder(producer.sqlite().clone())
+        .transport(transport(amqp_url_from_env()).await)
+        .max_attempts(3)
+        .batch_size(50)
+        .poll_interval(Duration::from_millis(50))
+        .retry_policy(RetryPolicy::Fixed(Duration::from_millis(30)))
+        .spawn()
+        .unwrap();
+    let mut messages: Vec<NewMessage> = (0..200).map(|n| broker.message(n)).collect();
+    messages.insert(
+        37,
+        NewMessage::new(MessageKind::Integration, "OrderPlaced", "refused")
+            .destination(internal.as_str(), "deliver"),
+    );
+    let ids = enqueue(&producer, messages).await;
+    let bad = ids[37];
+    let good: HashSet<String> = ids
+        .iter()
+        .filter(|id| **id != bad)
+        .map(ToString::to_string)
+        .collect();
+    let store = producer.sqlite().clone();
+    let down_seen = Arc::new(AtomicBool::new(false));
+    wait_until("the refused message is poisoned", DEADLINE, || {
+        let (store, relay, down_seen) = (store.clone(), &relay, down_seen.clone());
+        async move {
+            if matches!(relay.health().await.transport, TransportHealth::Down(_)) {
+                down_seen.store(true, Ordering::SeqCst);
+            }
+            store.get(bad).await.unwrap().map(|m| m.state) == Some(MessageState::Poisoned)
+        }
+    })
+    .await;
+    wait_for_effects(&receiver, &good, DEADLINE).await;
+    let m = store.get(bad).await.unwrap().unwrap();
+    assert_eq!(m.attempts, 3, "{m:?}");
+    let error = m.last_error.unwrap_or_default();
+    assert!(error.contains(internal.as_str()), "{error}");
+    assert!(
+        !down_seen.load(Ordering::SeqCst),
+        "a refusal caused by one message is not an outage"
+    );
+    assert_eq!(relay.health().await.transport, TransportHealth::Up);
     consumer.shutdown().await;
     relay.shutdown().await;
     broker.cleanup().await;
