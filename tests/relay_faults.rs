@@ -104,32 +104,61 @@ async fn a_probe_that_never_returns_holds_up_no_domain_message() {
     assert_eq!((m.state, m.attempts), (MessageState::Pending, 0));
 }
 
-/// A store whose `fail` errors while everything else works.
+/// A memory store with one fault: `fail` errors, or (once armed) `claim`
+/// panics.
 #[derive(Debug, Clone)]
-struct FailCannotBeRecorded(MemoryStore);
+struct Faulty {
+    inner: MemoryStore,
+    fail_errors: bool,
+    claim_panics: Arc<AtomicBool>,
+}
+
+impl Faulty {
+    fn fail_errors(inner: MemoryStore) -> Self {
+        Faulty {
+            inner,
+            fail_errors: true,
+            claim_panics: Arc::default(),
+        }
+    }
+
+    fn claim_panics(inner: MemoryStore, armed: Arc<AtomicBool>) -> Self {
+        Faulty {
+            inner,
+            fail_errors: false,
+            claim_panics: armed,
+        }
+    }
+}
 
 #[async_trait]
-impl Store for FailCannotBeRecorded {
+impl Store for Faulty {
     async fn claim(&self, r: &ClaimRequest) -> outbox::Result<Vec<Message>> {
-        self.0.claim(r).await
+        if self.claim_panics.load(Ordering::SeqCst) {
+            panic!("{}claim blew up", outbox_api::testing::DELIBERATE);
+        }
+        self.inner.claim(r).await
     }
     async fn complete(&self, ids: &[MessageId], now: Timestamp) -> outbox::Result<()> {
-        self.0.complete(ids, now).await
+        self.inner.complete(ids, now).await
     }
-    async fn fail(&self, _f: &Failure) -> outbox::Result<FailOutcome> {
-        Err(outbox::Error::new(ErrorKind::Unavailable, "disk I/O error"))
+    async fn fail(&self, f: &Failure) -> outbox::Result<FailOutcome> {
+        if self.fail_errors {
+            return Err(outbox::Error::new(ErrorKind::Unavailable, "disk I/O error"));
+        }
+        self.inner.fail(f).await
     }
     async fn release(&self, r: &Release) -> outbox::Result<()> {
-        self.0.release(r).await
+        self.inner.release(r).await
     }
     async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
-        self.0.release_worker(worker).await
+        self.inner.release_worker(worker).await
     }
     async fn stats(&self) -> outbox::Result<Stats> {
-        self.0.stats().await
+        self.inner.stats().await
     }
     async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox::Result<u64> {
-        self.0.purge_processed(before, limit).await
+        self.inner.purge_processed(before, limit).await
     }
 }
 
@@ -153,7 +182,7 @@ async fn a_record_that_fails_abandons_no_other() {
             msg(MessageKind::Domain, "Ok", 3),
         ],
     );
-    let relay = Relay::builder(FailCannotBeRecorded(store.clone()))
+    let relay = Relay::builder(Faulty::fail_errors(store.clone()))
         .dispatcher(handlers)
         .worker_id("settler".into())
         .build()
@@ -176,38 +205,6 @@ async fn a_record_that_fails_abandons_no_other() {
     assert_eq!(count.load(Ordering::SeqCst), 2, "nothing delivered twice");
 }
 
-/// A store that panics on every claim once `armed`.
-#[derive(Debug, Clone)]
-struct PanicsOnClaim(MemoryStore, Arc<AtomicBool>);
-
-#[async_trait]
-impl Store for PanicsOnClaim {
-    async fn claim(&self, r: &ClaimRequest) -> outbox::Result<Vec<Message>> {
-        if self.1.load(Ordering::SeqCst) {
-            panic!("{}claim blew up", outbox_api::testing::DELIBERATE);
-        }
-        self.0.claim(r).await
-    }
-    async fn complete(&self, ids: &[MessageId], now: Timestamp) -> outbox::Result<()> {
-        self.0.complete(ids, now).await
-    }
-    async fn fail(&self, f: &Failure) -> outbox::Result<FailOutcome> {
-        self.0.fail(f).await
-    }
-    async fn release(&self, r: &Release) -> outbox::Result<()> {
-        self.0.release(r).await
-    }
-    async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
-        self.0.release_worker(worker).await
-    }
-    async fn stats(&self) -> outbox::Result<Stats> {
-        self.0.stats().await
-    }
-    async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox::Result<u64> {
-        self.0.purge_processed(before, limit).await
-    }
-}
-
 /// A relay task that dies is visible: health Unhealthy naming the panic,
 /// `is_running` false, `until_idle` an error instead of a hang.
 #[tokio::test]
@@ -216,7 +213,7 @@ async fn a_dead_relay_task_is_reported() {
     let store = MemoryStore::new();
     let armed = Arc::new(AtomicBool::new(false));
     let count = Arc::new(AtomicUsize::new(0));
-    let handle = Relay::builder(PanicsOnClaim(store.clone(), armed.clone()))
+    let handle = Relay::builder(Faulty::claim_panics(store.clone(), armed.clone()))
         .dispatcher(ok_handlers(count.clone()))
         .spawn()
         .unwrap();

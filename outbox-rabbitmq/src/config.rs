@@ -38,6 +38,23 @@ pub struct RabbitConfig {
 }
 
 impl RabbitConfig {
+    /// Runs a connection `attempt` within `connect_timeout`; running out of
+    /// time is an `Unavailable` error naming the (redacted) URL.
+    pub(crate) async fn within_connect_timeout<T>(
+        &self,
+        attempt: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<T> {
+        tokio::time::timeout(self.connect_timeout, attempt)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Error::unavailable(format!(
+                    "connecting to RabbitMQ at {} timed out after {:?}",
+                    self.redacted_url(),
+                    self.connect_timeout
+                )))
+            })
+    }
+
     /// Default [`confirm_timeout`](RabbitConfig::with_confirm_timeout): 10 s.
     pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
     /// Default [`connect_timeout`](RabbitConfig::with_connect_timeout): 10 s.

@@ -38,6 +38,54 @@ pub fn amqp_url_from_env() -> String {
     }
 }
 
+/// Declares on `channel` a direct exchange (auto-deleted) and an exclusive
+/// queue bound to it with `routing_key`: a test's own destination.
+///
+/// # Panics
+/// When the broker refuses a declaration.
+pub async fn declare_bound_queue(
+    channel: &lapin::Channel,
+    exchange: &str,
+    queue: &str,
+    routing_key: &str,
+) {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    channel
+        .exchange_declare(
+            exchange.into(),
+            lapin::ExchangeKind::Direct,
+            ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare test exchange");
+    channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare test queue");
+    channel
+        .queue_bind(
+            queue.into(),
+            exchange.into(),
+            routing_key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind test queue");
+}
+
 /// A name no other test uses: `outbox-test-{prefix}-{uuid v7}`.
 pub fn unique_name(prefix: &str) -> String {
     format!("outbox-test-{prefix}-{}", outbox_api::MessageId::new())

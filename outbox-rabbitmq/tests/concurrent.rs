@@ -8,15 +8,16 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeleteOptions,
 };
 use lapin::types::FieldTable;
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox_api::testing::wait_until;
 use outbox_api::{Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport};
 use outbox_rabbitmq::RabbitTransport;
-use outbox_rabbitmq::testing::{TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via};
+use outbox_rabbitmq::testing::{
+    self, TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via,
+};
 use tokio::sync::Barrier;
 
 /// Generous: the machine running the tests may be busy.
@@ -41,39 +42,7 @@ impl Fixture {
         let channel = connection.create_channel().await.expect("test channel");
         let exchange = unique_name("x");
         let queue = unique_name("q");
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare test exchange");
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare test queue");
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "deliver".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind test queue");
+        testing::declare_bound_queue(&channel, &exchange, &queue, "deliver").await;
         let mut consumer = channel
             .basic_consume(
                 queue.as_str().into(),

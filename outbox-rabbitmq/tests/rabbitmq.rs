@@ -6,7 +6,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicConsumeOptions, BasicGetOptions, BasicRejectOptions, ExchangeDeclareOptions,
-    ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
+    ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -74,39 +74,7 @@ impl Fixture {
         let channel = connection.create_channel().await.expect("test channel");
         let exchange = unique("x");
         let queue = unique("q");
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    auto_delete: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare test exchange");
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions {
-                    exclusive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare test queue");
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "deliver".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind test queue");
+        testing::declare_bound_queue(&channel, &exchange, &queue, "deliver").await;
         Fixture {
             _connection: connection,
             channel,

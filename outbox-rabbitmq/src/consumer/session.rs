@@ -112,15 +112,7 @@ impl Worker {
                 consumer,
             })
         };
-        timeout(config.connect_timeout, attempt)
-            .await
-            .unwrap_or_else(|_| {
-                Err(Error::unavailable(format!(
-                    "connecting to RabbitMQ at {} timed out after {:?}",
-                    config.redacted_url(),
-                    config.connect_timeout
-                )))
-            })
+        config.within_connect_timeout(attempt).await
     }
 
     pub(super) async fn run(mut self, first: Session, mut shutdown: watch::Receiver<bool>) {

@@ -202,15 +202,7 @@ impl Inner {
                 dropped,
             })
         };
-        timeout(config.connect_timeout, attempt)
-            .await
-            .unwrap_or_else(|_| {
-                Err(Error::unavailable(format!(
-                    "connecting to RabbitMQ at {} timed out after {:?}",
-                    config.redacted_url(),
-                    config.connect_timeout
-                )))
-            })
+        config.within_connect_timeout(attempt).await
     }
 
     /// Checks (passively declares) each not yet verified exchange on a
