@@ -10,7 +10,7 @@ use outbox::memory::MemoryStore;
 use outbox::{
     ClaimRequest, ErrorKind, FailOutcome, Failure, Handlers, HealthStatus, Message, MessageId,
     MessageKind, MessageState, NewMessage, OperatorStore, Outcome, Relay, Release, Stats, Store,
-    Timestamp, Transport, TransportHealth,
+    Timestamp, Transport, TransportHealth, WorkListener,
 };
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -233,4 +233,128 @@ async fn a_dead_relay_task_is_reported() {
         health.reasons[0].contains("panicked") && health.reasons[0].contains("claim blew up"),
         "{health:?}"
     );
+}
+
+/// A memory store whose claims, once `armed`, take their snapshot and then
+/// wait for `gate` before answering; its listener reports each wake-up it
+/// hands out in `announced`.
+#[derive(Debug, Clone)]
+struct SlowClaims {
+    inner: MemoryStore,
+    armed: Arc<AtomicBool>,
+    waiting: Arc<tokio::sync::Notify>,
+    gate: Arc<tokio::sync::Notify>,
+    announced: Arc<AtomicUsize>,
+}
+
+impl SlowClaims {
+    async fn answer(&self, claimed: Vec<Message>) -> Vec<Message> {
+        if self.armed.swap(false, Ordering::SeqCst) {
+            self.waiting.notify_one();
+            self.gate.notified().await;
+        }
+        claimed
+    }
+}
+
+struct CountingListener(Box<dyn WorkListener>, Arc<AtomicUsize>);
+
+#[async_trait]
+impl WorkListener for CountingListener {
+    async fn wait(&mut self, timeout: Duration) -> bool {
+        let changed = self.0.wait(timeout).await;
+        if changed {
+            self.1.fetch_add(1, Ordering::SeqCst);
+        }
+        changed
+    }
+}
+
+#[async_trait]
+impl Store for SlowClaims {
+    async fn claim(&self, r: &ClaimRequest) -> outbox::Result<Vec<Message>> {
+        let claimed = self.inner.claim(r).await?;
+        Ok(self.answer(claimed).await)
+    }
+    async fn complete_and_claim(
+        &self,
+        done: &[MessageId],
+        now: Timestamp,
+        next: &ClaimRequest,
+    ) -> outbox::Result<Vec<Message>> {
+        let claimed = self.inner.complete_and_claim(done, now, next).await?;
+        Ok(self.answer(claimed).await)
+    }
+    async fn complete(&self, ids: &[MessageId], now: Timestamp) -> outbox::Result<()> {
+        self.inner.complete(ids, now).await
+    }
+    async fn fail(&self, f: &Failure) -> outbox::Result<FailOutcome> {
+        self.inner.fail(f).await
+    }
+    async fn release(&self, r: &Release) -> outbox::Result<()> {
+        self.inner.release(r).await
+    }
+    async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
+        self.inner.release_worker(worker).await
+    }
+    async fn stats(&self) -> outbox::Result<Stats> {
+        self.inner.stats().await
+    }
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox::Result<u64> {
+        self.inner.purge_processed(before, limit).await
+    }
+    fn listen(&self) -> Box<dyn WorkListener> {
+        Box::new(CountingListener(
+            self.inner.listen(),
+            self.announced.clone(),
+        ))
+    }
+}
+
+/// A commit announced while a claim is on its way (the claim took its
+/// snapshot before the commit) is not lost: the relay claims again instead
+/// of sleeping until its next poll.
+#[tokio::test]
+async fn a_commit_announced_during_a_claim_is_not_lost() {
+    let inner = MemoryStore::new();
+    let store = SlowClaims {
+        inner: inner.clone(),
+        armed: Arc::default(),
+        waiting: Arc::default(),
+        gate: Arc::default(),
+        announced: Arc::default(),
+    };
+    let count = Arc::new(AtomicUsize::new(0));
+    // The claim that follows the first delivery is slow: the handler arms it.
+    let (c, armed) = (count.clone(), store.armed.clone());
+    let handlers = Handlers::new().on_message("Ok", move |_m: &Message| {
+        if c.fetch_add(1, Ordering::SeqCst) == 0 {
+            armed.store(true, Ordering::SeqCst);
+        }
+        async { Ok::<_, std::io::Error>(()) }
+    });
+    let handle = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .poll_interval(Duration::from_secs(3600))
+        .spawn()
+        .unwrap();
+    handle.until_idle().await.unwrap();
+    enqueue(&inner, vec![msg(MessageKind::Domain, "Ok", 1)]);
+    tokio::time::timeout(DEADLINE, store.waiting.notified())
+        .await
+        .expect("the claim after the first delivery starts");
+    let before = store.announced.load(Ordering::SeqCst);
+    enqueue(&inner, vec![msg(MessageKind::Domain, "Ok", 2)]);
+    outbox_api::testing::wait_until("the relay hears of the commit", DEADLINE, || async {
+        store.announced.load(Ordering::SeqCst) > before
+    })
+    .await;
+    store.gate.notify_one();
+    outbox_api::testing::wait_until(
+        "the second message is delivered without waiting for the poll",
+        DEADLINE,
+        || async { count.load(Ordering::SeqCst) == 2 },
+    )
+    .await;
+    handle.shutdown().await;
 }

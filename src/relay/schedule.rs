@@ -68,6 +68,11 @@ pub(super) struct Scheduler<'a> {
     /// The last claim found less than it asked for: claim again only when
     /// a settle may have unblocked something or a commit was announced.
     exhausted: bool,
+    /// Commits announced by the store's listener so far.
+    announced: u64,
+    /// `announced` when the round in flight began its claim: a commit
+    /// announced after that may have been too late for the claim to see.
+    announced_at_claim: u64,
     /// Store rounds that carried a claim.
     claim_rounds: usize,
     claimed: usize,
@@ -93,6 +98,8 @@ impl<'a> Scheduler<'a> {
             round: None,
             round_lease_until: None,
             exhausted: false,
+            announced: 0,
+            announced_at_claim: 0,
             claim_rounds: 0,
             claimed: 0,
             report: DrainReport::default(),
@@ -117,6 +124,8 @@ impl<'a> Scheduler<'a> {
             if self.round.is_none() && self.deliveries.is_empty() && self.ready.is_empty() {
                 break;
             }
+            // Listen while a round is in flight too: a commit announced
+            // meanwhile makes the next claim worth making.
             let listen = self.exhausted
                 && self.mode == Mode::Drain
                 && !self.relay.stopping()
@@ -140,6 +149,7 @@ impl<'a> Scheduler<'a> {
                 }
                 Event::Commit(changed) => {
                     if changed {
+                        self.announced += 1;
                         self.exhausted = false;
                     }
                 }
@@ -233,6 +243,7 @@ impl<'a> Scheduler<'a> {
         self.round_lease_until = claim.as_ref().map(|c| now.add(c.lease));
         if claim.is_some() {
             self.claim_rounds += 1;
+            self.announced_at_claim = self.announced;
         }
         let settlement = std::mem::take(&mut self.pending);
         let relay = self.relay.clone();
@@ -247,7 +258,9 @@ impl<'a> Scheduler<'a> {
         match round.claimed {
             Some(messages) => {
                 let limit = self.config().batch_size;
-                self.exhausted = messages.len() < limit;
+                // A commit announced while the claim ran may not be in it.
+                self.exhausted =
+                    messages.len() < limit && self.announced == self.announced_at_claim;
                 if !messages.is_empty() {
                     self.report.batches += 1;
                     self.claimed += messages.len();
