@@ -5,7 +5,7 @@
 //! never rot). RabbitMQ figures need `OUTBOX_AMQP_URL`; without it their row
 //! says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, sqlite, rabbitmq).
+//! (memory, sqlite, rabbitmq; `drain` runs only SQLite's drain figures).
 
 mod common;
 mod memory;
@@ -37,6 +37,8 @@ fn main() {
         }
         if wanted("sqlite") {
             figures.extend(sqlite::figures(quick).await);
+        } else if wanted("sqlite-drain") {
+            figures.extend(sqlite::drain_figures(quick).await.0);
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);

@@ -118,6 +118,12 @@ impl<'a> Scheduler<'a> {
                 self.give_back_ready();
             }
             self.start_ready();
+            // Deliveries that end at once (quick in-process handlers) are
+            // taken in now, so that their completion rides with the next
+            // claim instead of a claim going out alone before them.
+            while self.take_finished_at_once() {
+                self.start_ready();
+            }
             if self.round.is_none() {
                 self.start_round();
             }
@@ -137,11 +143,7 @@ impl<'a> Scheduler<'a> {
                     }
                     // Take in whatever else finished meanwhile, so the next
                     // store round records it too.
-                    while let Some(Some(results)) = self.deliveries.next().now_or_never() {
-                        for (m, outcome) in results {
-                            self.finished(m, outcome);
-                        }
-                    }
+                    self.take_finished_at_once();
                 }
                 Event::Round(round) => {
                     self.round = None;
@@ -165,6 +167,19 @@ impl<'a> Scheduler<'a> {
             Some(e) => Err(e),
             None => Ok(self.report),
         }
+    }
+
+    /// Takes in every delivery that has ended or ends when polled once;
+    /// returns whether there was any.
+    fn take_finished_at_once(&mut self) -> bool {
+        let mut any = false;
+        while let Some(Some(results)) = self.deliveries.next().now_or_never() {
+            any = true;
+            for (m, outcome) in results {
+                self.finished(m, outcome);
+            }
+        }
+        any
     }
 
     /// Waits for a delivery to end, the store round to end, or (with
