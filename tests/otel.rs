@@ -18,7 +18,7 @@ use outbox_api::testing::StoreUnderTest;
 use outbox_rabbitmq::lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use outbox_rabbitmq::lapin::types::FieldTable;
 use outbox_rabbitmq::lapin::{Connection, ConnectionProperties};
-use outbox_rabbitmq::testing::{amqp_url_from_env, unique_name};
+use outbox_rabbitmq::testing::{amqp_url, unique_name};
 use outbox_rabbitmq::{InboxHandler, RabbitConsumer, RabbitTransport, Received};
 use outbox_sqlite::sqlx::SqliteConnection;
 use outbox_sqlite::testing::SqlxUnderTest;
@@ -150,7 +150,7 @@ impl InboxHandler for TraceRecorder {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trace_id_continues_across_rabbitmq() {
     tracing();
-    let url = amqp_url_from_env();
+    let url = amqp_url();
     let queue = unique_name("otel");
     let connection = Connection::connect(&url, ConnectionProperties::default())
         .await

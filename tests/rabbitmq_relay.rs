@@ -23,7 +23,7 @@ use outbox_rabbitmq::lapin::{
     BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind,
 };
 use outbox_rabbitmq::testing::{
-    TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via, url_with_password,
+    TcpProxy, amqp_url, broker_addr, unique_name, url_via, url_with_password,
 };
 use outbox_rabbitmq::{
     ConsumerHandle, ExchangeType, InboxHandler, RabbitConsumer, RabbitTransport, Received, Topology,
@@ -50,7 +50,7 @@ struct Broker {
 
 impl Broker {
     async fn new() -> Broker {
-        let url = amqp_url_from_env();
+        let url = amqp_url();
         let connection = Connection::connect(&url, ConnectionProperties::default())
             .await
             .expect("test connection to OUTBOX_AMQP_URL");
@@ -226,7 +226,7 @@ impl Receiver {
     }
 
     async fn consume(&self, broker: &Broker, handler: impl InboxHandler) -> ConsumerHandle {
-        RabbitConsumer::builder(amqp_url_from_env(), broker.queue.as_str())
+        RabbitConsumer::builder(amqp_url(), broker.queue.as_str())
             .consumer_name("warehouse")
             .retry_delay(Duration::from_millis(20))
             .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(500))
@@ -334,7 +334,7 @@ async fn end_to_end_every_property_reaches_the_handler() {
         ..Recorder::default()
     };
     let consumer = receiver.consume(&broker, recorder.clone()).await;
-    let relay = relay(&producer, transport(amqp_url_from_env()).await);
+    let relay = relay(&producer, transport(amqp_url()).await);
 
     let messages: Vec<NewMessage> = (0..5)
         .map(|n| {
@@ -421,7 +421,7 @@ async fn unroutable_is_rejected_counted_and_poisoned_while_others_flow() {
     let receiver = Receiver::new().await;
     let consumer = receiver.consume(&broker, Recorder::default()).await;
     let relay = Relay::builder(producer.sqlite().clone())
-        .transport(transport(amqp_url_from_env()).await)
+        .transport(transport(amqp_url()).await)
         .max_attempts(3)
         .poll_interval(Duration::from_millis(50))
         .retry_policy(RetryPolicy::Fixed(Duration::from_millis(30)))
@@ -498,7 +498,7 @@ async fn a_refused_destination_is_that_messages_failure_and_stalls_nothing() {
     let receiver = Receiver::new().await;
     let consumer = receiver.consume(&broker, Recorder::default()).await;
     let relay = Relay::builder(producer.sqlite().clone())
-        .transport(transport(amqp_url_from_env()).await)
+        .transport(transport(amqp_url()).await)
         .max_attempts(3)
         .batch_size(50)
         .poll_interval(Duration::from_millis(50))
@@ -554,7 +554,7 @@ async fn connection_cut_mid_run_loses_nothing_and_counts_no_attempt() {
     let producer = producer().await;
     let receiver = Receiver::new().await;
     let consumer = receiver.consume(&broker, Recorder::default()).await;
-    let url = amqp_url_from_env();
+    let url = amqp_url();
     let proxy = TcpProxy::start(broker_addr(&url).await).await;
     let relay = relay(&producer, transport(url_via(&url, proxy.addr())).await);
 
@@ -661,7 +661,7 @@ async fn random_cuts_during_a_long_run_lose_nothing() {
     let producer = producer().await;
     let receiver = Receiver::new().await;
     let consumer = receiver.consume(&broker, Recorder::default()).await;
-    let url = amqp_url_from_env();
+    let url = amqp_url();
     let proxy = Arc::new(TcpProxy::start(broker_addr(&url).await).await);
     let relay = relay(&producer, transport(url_via(&url, proxy.addr())).await);
     let start = Instant::now();
@@ -784,7 +784,7 @@ async fn failing_handler_is_retried_then_dead_lettered() {
         outbox: Some(receiver.db.sqlite().outbox()),
         ..Recorder::default()
     };
-    let consumer = RabbitConsumer::builder(amqp_url_from_env(), broker.queue.as_str())
+    let consumer = RabbitConsumer::builder(amqp_url(), broker.queue.as_str())
         .max_attempts(3)
         .retry_delay(Duration::from_millis(20))
         .spawn(
@@ -869,8 +869,8 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
     let broker = Broker::new().await;
     let receiver = Receiver::new().await;
     let secret = "n0t-the-Pa55word-z3";
-    let url = url_with_password(&amqp_url_from_env(), secret);
-    let user: String = amqp_url_from_env()
+    let url = url_with_password(&amqp_url(), secret);
+    let user: String = amqp_url()
         .parse::<outbox_rabbitmq::lapin::uri::AMQPUri>()
         .unwrap()
         .authority
@@ -906,7 +906,7 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
 
     // A missing queue is named too.
     let missing = unique_name("missing");
-    let err = RabbitConsumer::builder(amqp_url_from_env(), missing.as_str())
+    let err = RabbitConsumer::builder(amqp_url(), missing.as_str())
         .spawn(
             receiver.db.sqlite().outbox(),
             receiver.pool.clone(),

@@ -2,8 +2,8 @@
 //! beside a baseline measured in the same run where one applies. Prints a
 //! table and writes `target/outbox-bench/summary.json`.
 //! `OUTBOX_BENCH_QUICK=1` runs a smoke version (CI runs it so the benches
-//! never rot). RabbitMQ figures need `OUTBOX_AMQP_URL`; without it their row
-//! says NOT MEASURED.
+//! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, else the local
+//! default if it answers; without a broker their row says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
 //! (memory, sqlite, rabbitmq; `drain` runs only SQLite's drain figures).
 

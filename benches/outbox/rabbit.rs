@@ -1,4 +1,5 @@
-//! Figures against a real RabbitMQ (`OUTBOX_AMQP_URL`): relay drain beside
+//! Figures against a real RabbitMQ (`OUTBOX_AMQP_URL`, else the local
+//! default if it answers): relay drain beside
 //! bare lapin publishing with confirms at the same window (publish a window,
 //! await it all), bare lapin with a continuous window beside that, and
 //! commit → broker-confirm latency at 1k msg/s offered.
@@ -286,11 +287,9 @@ async fn confirm_latency(
 }
 
 pub async fn figures(quick: bool) -> Vec<Figure> {
-    let Ok(url) = std::env::var("OUTBOX_AMQP_URL") else {
-        return vec![not_measured(
-            "RabbitMQ figures",
-            "OUTBOX_AMQP_URL is unset (e.g. amqp://guest:guest@127.0.0.1:5672/%2f)",
-        )];
+    let url = match outbox_api::testing::services::find(outbox_api::testing::Service::RabbitMq) {
+        Ok(url) => url,
+        Err(how) => return vec![not_measured("RabbitMQ figures", &how)],
     };
     let b = match Broker::connect(&url).await {
         Ok(b) => b,

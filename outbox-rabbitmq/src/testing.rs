@@ -3,8 +3,8 @@
 //!
 //! ```no_run
 //! # async fn run() {
-//! use outbox_rabbitmq::testing::{TcpProxy, amqp_url_from_env, broker_addr, url_via};
-//! let url = amqp_url_from_env();
+//! use outbox_rabbitmq::testing::{TcpProxy, amqp_url, broker_addr, url_via};
+//! let url = amqp_url();
 //! let proxy = TcpProxy::start(broker_addr(&url).await).await;
 //! let through_proxy = url_via(&url, proxy.addr());
 //! // … connect a transport or consumer to `through_proxy` …
@@ -22,20 +22,14 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
-use crate::config::URL_ENV;
-
-/// The broker URL in `OUTBOX_AMQP_URL`.
+/// The broker for a test: `OUTBOX_AMQP_URL` if set, else the local
+/// default if it answers (see `outbox_api::testing::services`).
 ///
 /// # Panics
-/// When the variable is unset (tests that need a broker fail, never skip),
-/// with a message saying how to provide one.
-pub fn amqp_url_from_env() -> String {
-    match std::env::var(URL_ENV) {
-        Ok(url) if !url.trim().is_empty() => url,
-        _ => panic!(
-            "set {URL_ENV}=amqp://guest:guest@127.0.0.1:5672/%2f (on this machine: `rabbitmq-server -detached`)"
-        ),
-    }
+/// When there is none (tests that need a broker fail, never skip), with a
+/// message saying how to provide one.
+pub fn amqp_url() -> String {
+    outbox_api::testing::service_url(outbox_api::testing::Service::RabbitMq)
 }
 
 /// Declares on `channel` a direct exchange (auto-deleted) and an exclusive

@@ -15,9 +15,7 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox_api::testing::wait_until;
 use outbox_api::{Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport};
 use outbox_rabbitmq::RabbitTransport;
-use outbox_rabbitmq::testing::{
-    self, TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via,
-};
+use outbox_rabbitmq::testing::{self, TcpProxy, amqp_url, broker_addr, unique_name, url_via};
 use tokio::sync::Barrier;
 
 /// Generous: the machine running the tests may be busy.
@@ -36,7 +34,7 @@ struct Fixture {
 
 impl Fixture {
     async fn new() -> Fixture {
-        let connection = Connection::connect(&amqp_url_from_env(), ConnectionProperties::default())
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
             .await
             .expect("test connection to OUTBOX_AMQP_URL");
         let channel = connection.create_channel().await.expect("test channel");
@@ -141,7 +139,7 @@ impl Fixture {
 
 async fn transport() -> Arc<RabbitTransport> {
     Arc::new(
-        RabbitTransport::builder(amqp_url_from_env())
+        RabbitTransport::builder(amqp_url())
             .with_confirm_timeout(Duration::from_secs(20))
             .build()
             .await
@@ -384,7 +382,7 @@ async fn returned_messages_reach_their_own_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_connection_is_unavailable_for_every_concurrent_call() {
     let fx = Fixture::new().await;
-    let url = amqp_url_from_env();
+    let url = amqp_url();
     let proxy = TcpProxy::start(broker_addr(&url).await).await;
     let transport = Arc::new(
         RabbitTransport::builder(url_via(&url, proxy.addr()))

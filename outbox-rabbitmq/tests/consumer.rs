@@ -12,7 +12,7 @@ use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use outbox_api::testing::wait_until;
 use outbox_api::{MessageId, TemporarilyUnavailable};
 use outbox_rabbitmq::sqlite::sqlx::{self, SqliteConnection};
-use outbox_rabbitmq::testing::{TcpProxy, amqp_url_from_env, broker_addr, unique_name, url_via};
+use outbox_rabbitmq::testing::{TcpProxy, amqp_url, broker_addr, unique_name, url_via};
 use outbox_rabbitmq::{HandlerFuture, KEY_HEADER, RabbitConsumer, Received, handler_fn};
 use outbox_sqlite::testing::SqlxUnderTest;
 
@@ -26,7 +26,7 @@ struct Queue {
 
 impl Queue {
     async fn new() -> Queue {
-        let connection = Connection::connect(&amqp_url_from_env(), ConnectionProperties::default())
+        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
             .await
             .expect("test connection to OUTBOX_AMQP_URL");
         let channel = connection.create_channel().await.expect("channel");
@@ -135,7 +135,7 @@ async fn effects(db: &SqlxUnderTest) -> Vec<String> {
 async fn closures_are_handlers_and_the_consumer_reconnects_after_a_cut() {
     let queue = Queue::new().await;
     let db = database().await;
-    let url = amqp_url_from_env();
+    let url = amqp_url();
     let proxy = TcpProxy::start(broker_addr(&url).await).await;
     let calls = Arc::new(AtomicU64::new(0));
     let c = Arc::clone(&calls);
@@ -226,7 +226,7 @@ async fn shutdown_finishes_the_delivery_in_flight_and_returns_the_rest() {
     for _ in 0..5 {
         queue.publish(MessageId::new()).await;
     }
-    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+    let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
         .await
         .unwrap();
@@ -260,7 +260,7 @@ async fn inbox_entries_past_retention_are_purged_while_consuming() {
             Box::pin(async { Ok(()) })
         },
     );
-    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+    let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .inbox_retention(Some(Duration::from_secs(2)))
         .inbox_purge_interval(Duration::from_millis(20))
         .spawn(outbox, db.pool().clone(), handler)
@@ -344,7 +344,7 @@ async fn an_unavailable_handler_is_retried_uncounted_and_never_dead_lettered() {
             })
         },
     );
-    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+    let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .max_attempts(2)
         .unavailable_backoff(Duration::from_millis(5), Duration::from_millis(40))
         .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
@@ -439,7 +439,7 @@ async fn a_retry_holds_back_its_key_only_and_keeps_its_order() {
         key == "K" && seq == 0 && k0.fetch_add(1, Ordering::SeqCst) < 2
     });
     let retry_delay = Duration::from_millis(1500);
-    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+    let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .max_attempts(5)
         .retry_delay(retry_delay)
         .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
@@ -488,7 +488,7 @@ async fn a_dead_lettered_head_releases_the_rest_of_its_key_in_order() {
     let db = ordering_log().await;
     // J:0 always fails.
     let handler = logging_handler(|key, seq| key == "J" && seq == 0);
-    let consumer = RabbitConsumer::builder(amqp_url_from_env(), queue.name.as_str())
+    let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .max_attempts(3)
         .retry_delay(Duration::from_millis(100))
         .spawn(db.sqlite().outbox(), db.pool().clone(), handler)

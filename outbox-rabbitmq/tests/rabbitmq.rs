@@ -14,13 +14,13 @@ use outbox_api::testing::TransportUnderTest;
 use outbox_api::{
     ErrorKind, Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport,
 };
-use outbox_rabbitmq::testing::{self, TcpProxy, amqp_url_from_env, percent_encode, unique_name};
+use outbox_rabbitmq::testing::{self, TcpProxy, amqp_url, percent_encode, unique_name};
 use outbox_rabbitmq::{ExchangeType, RabbitConfig, RabbitTransport, Topology};
 
 // ---------------------------------------------------------------- helpers
 
 fn broker_url() -> String {
-    amqp_url_from_env()
+    amqp_url()
 }
 
 fn unique(prefix: &str) -> String {
@@ -696,7 +696,22 @@ async fn unreachable_broker_fails_clearly() {
 
 #[tokio::test]
 async fn from_env_reads_outbox_amqp_url() {
-    let _ = broker_url();
+    let url = broker_url();
+    if std::env::var(outbox_rabbitmq::URL_ENV).is_err() {
+        // The broker was found without the variable: run this test again
+        // in a child process that has it.
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "from_env_reads_outbox_amqp_url", "--nocapture"])
+            .env(outbox_rabbitmq::URL_ENV, &url)
+            .status()
+            .expect("run the test binary again");
+        assert!(
+            status.success(),
+            "with {} set: {status}",
+            outbox_rabbitmq::URL_ENV
+        );
+        return;
+    }
     let config = RabbitConfig::from_env().expect("valid OUTBOX_AMQP_URL");
     let transport = config.build().await.unwrap();
     transport.probe().await.unwrap();
