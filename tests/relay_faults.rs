@@ -358,3 +358,57 @@ async fn a_commit_announced_during_a_claim_is_not_lost() {
     .await;
     handle.shutdown().await;
 }
+
+/// A retry that comes due while a slow handler runs is claimed at the next
+/// poll, not when the slow handler ends: nothing but a commit or a
+/// completion would wake the relay otherwise.
+#[tokio::test]
+async fn a_retry_comes_due_while_a_slow_handler_runs() {
+    let store = MemoryStore::new();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let tries = Arc::new(AtomicUsize::new(0));
+    let (g, t) = (gate.clone(), tries.clone());
+    let handlers = Handlers::new()
+        .on_message("Stuck", move |_m: &Message| {
+            let g = g.clone();
+            async move {
+                let _permit = g.acquire().await.unwrap();
+                Ok::<_, std::io::Error>(())
+            }
+        })
+        .on_message("FailOnce", move |_m: &Message| {
+            let first = t.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if first {
+                    return Err(std::io::Error::other("not yet"));
+                }
+                Ok(())
+            }
+        });
+    let handle = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .poll_interval(Duration::from_millis(50))
+        .retry_policy(outbox::RetryPolicy::Fixed(Duration::from_millis(100)))
+        .spawn()
+        .unwrap();
+    let ids = enqueue(
+        &store,
+        vec![
+            msg(MessageKind::Domain, "Stuck", 0),
+            msg(MessageKind::Domain, "FailOnce", 1),
+        ],
+    );
+    outbox_api::testing::wait_until(
+        "the retry is delivered while the slow handler still runs",
+        DEADLINE,
+        || async { store.get(ids[1]).await.unwrap().unwrap().state == MessageState::Processed },
+    )
+    .await;
+    assert_eq!(tries.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        store.get(ids[0]).await.unwrap().unwrap().state,
+        MessageState::Pending
+    );
+    gate.add_permits(1);
+    handle.shutdown().await;
+}

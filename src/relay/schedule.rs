@@ -150,10 +150,12 @@ impl<'a> Scheduler<'a> {
                     self.round_done(round);
                 }
                 Event::Commit(changed) => {
+                    // A commit, or a poll interval gone by (retries and
+                    // expired leases come due without a commit): claim again.
                     if changed {
                         self.announced += 1;
-                        self.exhausted = false;
                     }
+                    self.exhausted = false;
                 }
                 Event::Nothing => {
                     self.give_back_ready();
