@@ -5,12 +5,14 @@
 //! never rot). RabbitMQ figures need `OUTBOX_AMQP_URL`; without it their row
 //! says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, sqlite, rabbitmq).
+//! (memory, sqlite, sqlite-latency, rabbitmq; a name selects every group
+//! containing it, so `sqlite` also runs `sqlite-latency`).
 
 mod common;
 mod memory;
 mod rabbit;
 mod sqlite;
+mod sqlite_latency;
 
 fn main() {
     if let Ok(n) = std::env::var("OUTBOX_BENCH_RSS_CHILD") {
@@ -37,6 +39,9 @@ fn main() {
         }
         if wanted("sqlite") {
             figures.extend(sqlite::figures(quick).await);
+        }
+        if wanted("sqlite-latency") {
+            figures.extend(sqlite_latency::figures(quick).await);
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);

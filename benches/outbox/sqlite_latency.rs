@@ -1,0 +1,381 @@
+//! Latency figures on SQLite. An open-loop producer commits one business
+//! transaction (an order row and one message) on a fixed schedule, whether
+//! or not earlier messages were handled, and every time is measured from
+//! the message's *scheduled* time: a producer that falls behind (a slow
+//! commit) is charged for every message it delays, never only for the one
+//! it was committing (no coordinated omission). Each figure stands beside
+//! the same producer with no relay running: the database's own commit tail.
+//!
+//! `OUTBOX_BENCH_TRACE=1` also writes each run's per-message times and a
+//! sample of the WAL's frame counters to `target/outbox-bench/` (see
+//! `docs/latency.md`).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use outbox::{Handlers, Message, Relay};
+use outbox_sqlite::SqliteStore;
+use outbox_sqlite::rusqlite::TransactionBehavior;
+use outbox_sqlite::sqlx;
+
+use crate::common::{Figure, histogram, latency_rows};
+use crate::sqlite::{app_connection, bench_message, open, sqlx_pool};
+
+/// The driver the producer commits through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Driver {
+    Rusqlite,
+    /// A sqlx pool, each transaction `BEGIN IMMEDIATE`.
+    Sqlx,
+}
+
+impl Driver {
+    fn name(self) -> &'static str {
+        match self {
+            Driver::Rusqlite => "rusqlite",
+            Driver::Sqlx => "sqlx",
+        }
+    }
+}
+
+/// Per-message times of one run, µs since the run's base instant (0: not
+/// reached).
+struct Times {
+    scheduled: Vec<u64>,
+    began: Vec<AtomicU64>,
+    committed: Vec<AtomicU64>,
+    handled: Vec<AtomicU64>,
+}
+
+impl Times {
+    fn new(n: usize, period_us: f64, lead_us: u64) -> Self {
+        let zeros = || (0..n).map(|_| AtomicU64::new(0)).collect();
+        Times {
+            scheduled: (0..n)
+                .map(|i| lead_us + (i as f64 * period_us) as u64)
+                .collect(),
+            began: zeros(),
+            committed: zeros(),
+            handled: zeros(),
+        }
+    }
+
+    fn hist(&self, of: &[AtomicU64]) -> Histogram<u64> {
+        let mut h = histogram();
+        for (s, t) in self.scheduled.iter().zip(of) {
+            let t = t.load(Ordering::Acquire);
+            if t > 0 {
+                h.record(t.saturating_sub(*s)).unwrap();
+            }
+        }
+        h
+    }
+}
+
+/// What one open-loop run measured.
+pub struct Run {
+    /// Scheduled time → the producer's COMMIT returned.
+    pub commit: Histogram<u64>,
+    /// Scheduled time → the handler started (with a relay).
+    pub handled: Option<Histogram<u64>>,
+}
+
+/// One business transaction: an order row and message `i`.
+fn commit_rusqlite(
+    conn: &mut outbox_sqlite::rusqlite::Connection,
+    outbox: &outbox_sqlite::SqliteOutbox,
+    i: usize,
+) {
+    let tx = conn
+        .transaction_with_behavior(TransactionBehavior::Immediate)
+        .unwrap();
+    tx.execute(
+        "INSERT INTO orders (customer, total) VALUES ('alice', 4200)",
+        [],
+    )
+    .unwrap();
+    outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
+    tx.commit().unwrap();
+}
+
+async fn commit_sqlx(pool: &sqlx::SqlitePool, outbox: &outbox_sqlite::SqliteOutbox, i: usize) {
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    sqlx::query("INSERT INTO orders (customer, total) VALUES ('alice', 4200)")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    outbox.enqueue(&mut *tx, bench_message(i)).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// The producer: a thread of its own, so that its schedule is kept to the
+/// tens of microseconds (tokio's timer has a 1 ms tick); sqlx transactions
+/// run on the bench's runtime through its handle, as an application's
+/// request handler would.
+fn produce(driver: Driver, store: &SqliteStore, times: Arc<Times>, base: Instant) -> Producer {
+    let path = store.path().to_owned();
+    let outbox = store.outbox();
+    let rt = tokio::runtime::Handle::current();
+    std::thread::spawn(move || {
+        let mut conn = (driver == Driver::Rusqlite).then(|| app_connection(&path));
+        let pool = (driver == Driver::Sqlx).then(|| rt.block_on(sqlx_pool(&path)));
+        for (i, scheduled) in times.scheduled.iter().enumerate() {
+            let at = base + Duration::from_micros(*scheduled);
+            if let Some(wait) = at.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            let began = base.elapsed().as_micros() as u64;
+            times.began[i].store(began.max(1), Ordering::Release);
+            match (&mut conn, &pool) {
+                (Some(conn), _) => commit_rusqlite(conn, &outbox, i),
+                (None, Some(pool)) => rt.block_on(commit_sqlx(pool, &outbox, i)),
+                (None, None) => unreachable!("one driver"),
+            }
+            let committed = base.elapsed().as_micros() as u64;
+            times.committed[i].store(committed.max(1), Ordering::Release);
+        }
+        if let Some(pool) = pool {
+            rt.block_on(pool.close());
+        }
+    })
+}
+
+type Producer = std::thread::JoinHandle<()>;
+
+/// Runs the producer at `rate` msg/s for `count` messages, with a relay
+/// delivering to an in-process handler if `relay`.
+pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool) -> Run {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    drop(app_connection(store.path()));
+    let base = Instant::now();
+    // The first message is scheduled 50 ms out, after the relay has started.
+    let times = Arc::new(Times::new(count, 1e6 / f64::from(rate), 50_000));
+    let relay = if relay {
+        let t = times.clone();
+        let handlers = Handlers::new().on_message("Bench", move |m: &Message| {
+            let now = base.elapsed().as_micros() as u64;
+            let i = usize::from_le_bytes(m.payload[..8].try_into().unwrap());
+            t.handled[i].store(now.max(1), Ordering::Release);
+            async { Ok::<_, std::io::Error>(()) }
+        });
+        let relay = Relay::builder(store.clone())
+            .dispatcher(handlers)
+            .spawn()
+            .unwrap();
+        relay.until_idle().await.unwrap();
+        Some(relay)
+    } else {
+        None
+    };
+    let sampler = trace_enabled().then(|| WalSampler::start(store.path(), base));
+    let producer = produce(driver, &store, times.clone(), base);
+    tokio::task::spawn_blocking(move || producer.join().unwrap())
+        .await
+        .unwrap();
+    if let Some(relay) = relay {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let all = || times.handled.iter().all(|h| h.load(Ordering::Acquire) > 0);
+        while !all() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        relay.shutdown().await;
+    }
+    let wal = sampler.map(WalSampler::stop);
+    let handled = relay_ran(&times).then(|| times.hist(&times.handled));
+    if trace_enabled() {
+        let name = format!(
+            "latency-{}-{rate}-{}",
+            driver.name(),
+            if handled.is_some() {
+                "relay"
+            } else {
+                "no-relay"
+            }
+        );
+        write_trace(&name, &times, wal.as_deref().unwrap_or_default());
+    }
+    Run {
+        commit: times.hist(&times.committed),
+        handled,
+    }
+}
+
+fn relay_ran(times: &Times) -> bool {
+    times.handled.iter().any(|h| h.load(Ordering::Acquire) > 0)
+}
+
+fn trace_enabled() -> bool {
+    std::env::var("OUTBOX_BENCH_TRACE").is_ok_and(|v| v != "0" && !v.is_empty())
+}
+
+/// The WAL's counters, read from the wal-index (`-shm`) header every
+/// 200 µs: frames in the WAL (`mxFrame`) and frames checkpointed into the
+/// database (`nBackfill`). A fall of `mxFrame` is a WAL restart; a rise of
+/// `nBackfill` a checkpoint.
+struct WalSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(u64, u32, u32)>>,
+}
+
+impl WalSampler {
+    fn start(db: &Path, base: Instant) -> Self {
+        let shm = PathBuf::from(format!("{}-shm", db.display()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            use std::io::{Read, Seek, SeekFrom};
+            let mut out = Vec::new();
+            let mut last = (u32::MAX, u32::MAX);
+            let mut buf = [0u8; 104];
+            while !s.load(Ordering::Acquire) {
+                if let Ok(mut f) = std::fs::File::open(&shm) {
+                    if f.seek(SeekFrom::Start(0)).is_ok() && f.read_exact(&mut buf).is_ok() {
+                        let word =
+                            |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().unwrap());
+                        let now = (word(16), word(96));
+                        if now != last {
+                            out.push((base.elapsed().as_micros() as u64, now.0, now.1));
+                            last = now;
+                        }
+                    }
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            out
+        });
+        WalSampler { stop, thread }
+    }
+
+    fn stop(self) -> Vec<(u64, u32, u32)> {
+        self.stop.store(true, Ordering::Release);
+        self.thread.join().unwrap()
+    }
+}
+
+fn write_trace(name: &str, times: &Times, wal: &[(u64, u32, u32)]) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/outbox-bench");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut csv = String::from("i,scheduled_us,began_us,committed_us,handled_us\n");
+    for i in 0..times.scheduled.len() {
+        let get = |v: &[AtomicU64]| v[i].load(Ordering::Acquire);
+        csv += &format!(
+            "{i},{},{},{},{}\n",
+            times.scheduled[i],
+            get(&times.began),
+            get(&times.committed),
+            get(&times.handled)
+        );
+    }
+    std::fs::write(dir.join(format!("{name}.csv")), csv).unwrap();
+    let mut csv = String::from("at_us,wal_frames,backfilled\n");
+    for (at, frames, backfilled) in wal {
+        csv += &format!("{at},{frames},{backfilled}\n");
+    }
+    std::fs::write(dir.join(format!("{name}-wal.csv")), csv).unwrap();
+}
+
+/// Closed loop, for contrast: one message per transaction, the next
+/// committed only after the previous was handled and `gap` passed; commit →
+/// handled. A producer that waits never offers a message while the relay or
+/// the database is stalled, so this hides the tail the open loop shows.
+async fn closed_loop(samples: usize, gap: Duration) -> hdrhistogram::Histogram<u64> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open(dir.path()).await;
+    let (tx_done, mut rx_done) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let handlers = Handlers::new().on_message("Bench", move |_m: &Message| {
+        let _ = tx_done.send(Instant::now());
+        async { Ok::<_, std::io::Error>(()) }
+    });
+    let relay = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .spawn()
+        .unwrap();
+    relay.until_idle().await.unwrap();
+    let mut conn = app_connection(store.path());
+    let outbox = store.outbox();
+    let mut hist = histogram();
+    for i in 0..samples {
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
+        let committed = Instant::now();
+        tx.commit().unwrap();
+        let handled = rx_done.recv().await.unwrap();
+        hist.record(handled.duration_since(committed).as_micros() as u64)
+            .unwrap();
+        tokio::time::sleep(gap).await;
+    }
+    relay.shutdown().await;
+    hist
+}
+
+/// `rows` (p50, p99, max of one figure), each beside the same quantile of
+/// `baseline`.
+fn beside(rows: Vec<Figure>, name: &str, baseline: &Histogram<u64>) -> Vec<Figure> {
+    let quantiles = [
+        ("p50", baseline.value_at_quantile(0.5)),
+        ("p99", baseline.value_at_quantile(0.99)),
+        ("max", baseline.max()),
+    ];
+    rows.into_iter()
+        .zip(quantiles)
+        .map(|(f, (q, v))| f.beside(format!("{name}, {q}"), v as f64 / 1000.0))
+        .collect()
+}
+
+/// The open-loop figures: at each rate and through each driver, commit →
+/// handled beside the same producer's commit with no relay running.
+pub async fn figures(quick: bool) -> Vec<Figure> {
+    let mut out = Vec::new();
+    for rate in [500u32, 1000] {
+        // 5 s of load in full mode (2,500 messages at 500 msg/s).
+        let count = if quick { 200 } else { rate as usize * 5 };
+        for driver in [Driver::Sqlx, Driver::Rusqlite] {
+            let alone = open_loop(driver, rate, count, false).await;
+            let with = open_loop(driver, rate, count, true).await;
+            let handled = with.handled.expect("the relay ran");
+            let (p50, p99) = if rate == 500 {
+                ("≤ 0.5 ms", "≤ 2 ms, or ≤ 1.2 × baseline")
+            } else {
+                ("—", "—")
+            };
+            let d = driver.name();
+            let rows = latency_rows(
+                &format!("scheduled → handled, SQLite, {d}, open loop {rate} msg/s ({count} msgs)"),
+                &handled,
+                p50,
+                p99,
+            );
+            out.extend(beside(
+                rows,
+                "scheduled → commit returned, no relay",
+                &alone.commit,
+            ));
+            out.push(
+                Figure::new(
+                    format!("… the producer's scheduled → commit returned with the relay running, {d}, {rate} msg/s, p99"),
+                    with.commit.value_at_quantile(0.99) as f64 / 1000.0,
+                    "ms",
+                    "—",
+                )
+                .beside(
+                    "no relay, p99",
+                    alone.commit.value_at_quantile(0.99) as f64 / 1000.0,
+                ),
+            );
+        }
+    }
+    let hist = closed_loop(if quick { 300 } else { 3000 }, Duration::from_millis(2)).await;
+    out.extend(latency_rows(
+        "commit → handled, SQLite, rusqlite, closed loop (one message at a time, 2 ms apart)",
+        &hist,
+        "—",
+        "—",
+    ));
+    out
+}
