@@ -237,3 +237,91 @@ async fn a_dead_relay_task_is_reported() {
         "{health:?}"
     );
 }
+
+/// A store whose claim riding with a completion, once `armed`, looks before
+/// a commit that lands (and is announced) while the claim's round is still
+/// on its way back — as a SQLite claim does whose snapshot predates the
+/// commit.
+#[derive(Debug, Clone)]
+struct ClaimRacesACommit(MemoryStore, Arc<AtomicBool>);
+
+impl ClaimRacesACommit {
+    /// The claim, then (once) a commit announced before the round returns.
+    async fn claim_then_commit(&self, claimed: Vec<Message>) -> outbox::Result<Vec<Message>> {
+        if self.1.swap(false, Ordering::SeqCst) {
+            enqueue(&self.0, vec![msg(MessageKind::Domain, "Ok", 1)]);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(claimed)
+    }
+}
+
+#[async_trait]
+impl Store for ClaimRacesACommit {
+    async fn claim(&self, r: &ClaimRequest) -> outbox::Result<Vec<Message>> {
+        self.0.claim(r).await
+    }
+    async fn complete(&self, ids: &[MessageId], now: Timestamp) -> outbox::Result<()> {
+        self.0.complete(ids, now).await
+    }
+    /// Armed here only: the round that records a delivery and claims again
+    /// is the one the relay listens for commits during.
+    async fn complete_and_claim(
+        &self,
+        done: &[MessageId],
+        now: Timestamp,
+        next: &ClaimRequest,
+    ) -> outbox::Result<Vec<Message>> {
+        let claimed = self.0.complete_and_claim(done, now, next).await?;
+        self.claim_then_commit(claimed).await
+    }
+    async fn fail(&self, f: &Failure) -> outbox::Result<FailOutcome> {
+        self.0.fail(f).await
+    }
+    async fn release(&self, r: &Release) -> outbox::Result<()> {
+        self.0.release(r).await
+    }
+    async fn release_worker(&self, worker: &str) -> outbox::Result<u64> {
+        self.0.release_worker(worker).await
+    }
+    async fn stats(&self) -> outbox::Result<Stats> {
+        self.0.stats().await
+    }
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox::Result<u64> {
+        self.0.purge_processed(before, limit).await
+    }
+    fn listen(&self) -> Box<dyn outbox::WorkListener> {
+        self.0.listen()
+    }
+}
+
+/// A commit announced while a claim is on its way back is not lost when
+/// that claim comes back short: the relay claims again instead of sleeping
+/// for `poll_interval` (rule "Wake-up" in `docs/rules.md`).
+#[tokio::test]
+async fn a_commit_announced_during_a_claim_is_not_lost() {
+    let store = MemoryStore::new();
+    let armed = Arc::new(AtomicBool::new(false));
+    let count = Arc::new(AtomicUsize::new(0));
+    let handle = Relay::builder(ClaimRacesACommit(store.clone(), armed.clone()))
+        .dispatcher(ok_handlers(count.clone()))
+        .poll_interval(Duration::from_secs(600))
+        .spawn()
+        .unwrap();
+    handle.until_idle().await.unwrap();
+    // The relay claims message 0, delivers it, and records it in a round
+    // that claims again: that claim finds nothing, and message 1 commits
+    // before the round is back.
+    armed.store(true, Ordering::SeqCst);
+    enqueue(&store, vec![msg(MessageKind::Domain, "Ok", 0)]);
+    let start = std::time::Instant::now();
+    while count.load(Ordering::SeqCst) < 2 && start.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        2,
+        "message 1 waited for the poll interval"
+    );
+    handle.shutdown().await;
+}

@@ -68,6 +68,9 @@ pub(super) struct Scheduler<'a> {
     /// The last claim found less than it asked for: claim again only when
     /// a settle may have unblocked something or a commit was announced.
     exhausted: bool,
+    /// A commit was announced while a claim was in flight: that claim may
+    /// have looked before it, so its coming back short proves nothing.
+    announced_during_claim: bool,
     /// Store rounds that carried a claim.
     claim_rounds: usize,
     claimed: usize,
@@ -93,6 +96,7 @@ impl<'a> Scheduler<'a> {
             round: None,
             round_lease_until: None,
             exhausted: false,
+            announced_during_claim: false,
             claim_rounds: 0,
             claimed: 0,
             report: DrainReport::default(),
@@ -141,6 +145,9 @@ impl<'a> Scheduler<'a> {
                 Event::Commit(changed) => {
                     if changed {
                         self.exhausted = false;
+                        // The announcement is consumed: a claim in flight
+                        // must not mark the store exhausted again.
+                        self.announced_during_claim |= self.round_lease_until.is_some();
                     }
                 }
                 Event::Nothing => {
@@ -244,10 +251,11 @@ impl<'a> Scheduler<'a> {
     fn round_done(&mut self, round: Round) {
         self.report.add(round.report);
         let lease_until = self.round_lease_until.take();
+        let announced = std::mem::take(&mut self.announced_during_claim);
         match round.claimed {
             Some(messages) => {
                 let limit = self.config().batch_size;
-                self.exhausted = messages.len() < limit;
+                self.exhausted = messages.len() < limit && !announced;
                 if !messages.is_empty() {
                     self.report.batches += 1;
                     self.claimed += messages.len();
