@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod checkpoint;
 mod error;
 mod inbox;
 mod listener;
@@ -12,6 +13,7 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
 pub use inbox::InboxOutcome;
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};
