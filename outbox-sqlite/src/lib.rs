@@ -6,6 +6,7 @@ mod checkpoint;
 mod error;
 mod inbox;
 mod listener;
+mod lock_wait;
 mod outbox;
 mod row;
 mod schema;
