@@ -46,6 +46,8 @@ impl Driver {
 struct Times {
     scheduled: Vec<u64>,
     began: Vec<AtomicU64>,
+    /// Just before COMMIT.
+    committing: Vec<AtomicU64>,
     committed: Vec<AtomicU64>,
     handled: Vec<AtomicU64>,
 }
@@ -58,14 +60,20 @@ impl Times {
                 .map(|i| lead_us + (i as f64 * period_us) as u64)
                 .collect(),
             began: zeros(),
+            committing: zeros(),
             committed: zeros(),
             handled: zeros(),
         }
     }
 
     fn hist(&self, of: &[AtomicU64]) -> Histogram<u64> {
+        self.between(&self.scheduled, of)
+    }
+
+    /// `to` − `from` of every message that reached both.
+    fn between(&self, from: &[u64], to: &[AtomicU64]) -> Histogram<u64> {
         let mut h = histogram();
-        for (s, t) in self.scheduled.iter().zip(of) {
+        for (s, t) in from.iter().zip(to) {
             let t = t.load(Ordering::Acquire);
             if t > 0 {
                 h.record(t.saturating_sub(*s)).unwrap();
@@ -73,21 +81,51 @@ impl Times {
         }
         h
     }
+
+    /// Stamps message `i` in `at` (µs since `base`).
+    fn stamp(at: &[AtomicU64], i: usize, base: Instant) {
+        at[i].store(
+            (base.elapsed().as_micros() as u64).max(1),
+            Ordering::Release,
+        );
+    }
 }
 
-/// What one open-loop run measured.
+/// What open-loop runs measured (µs).
 pub struct Run {
     /// Scheduled time → the producer's COMMIT returned.
     pub commit: Histogram<u64>,
-    /// Scheduled time → the handler started (with a relay).
-    pub handled: Option<Histogram<u64>>,
+    /// Scheduled time → the handler started (empty without a relay).
+    pub handled: Histogram<u64>,
+    /// Just before COMMIT → the handler started (empty without a relay).
+    pub commit_to_handled: Histogram<u64>,
 }
 
-/// One business transaction: an order row and message `i`.
+impl Run {
+    fn new() -> Self {
+        Run {
+            commit: histogram(),
+            handled: histogram(),
+            commit_to_handled: histogram(),
+        }
+    }
+
+    fn add(&mut self, other: &Run) {
+        self.commit.add(&other.commit).unwrap();
+        self.handled.add(&other.handled).unwrap();
+        self.commit_to_handled
+            .add(&other.commit_to_handled)
+            .unwrap();
+    }
+}
+
+/// One business transaction: an order row and message `i`; `committing`
+/// runs just before COMMIT.
 fn commit_rusqlite(
     conn: &mut outbox_sqlite::rusqlite::Connection,
     outbox: &outbox_sqlite::SqliteOutbox,
     i: usize,
+    committing: impl FnOnce(),
 ) {
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -98,16 +136,23 @@ fn commit_rusqlite(
     )
     .unwrap();
     outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
+    committing();
     tx.commit().unwrap();
 }
 
-async fn commit_sqlx(pool: &sqlx::SqlitePool, outbox: &outbox_sqlite::SqliteOutbox, i: usize) {
+async fn commit_sqlx(
+    pool: &sqlx::SqlitePool,
+    outbox: &outbox_sqlite::SqliteOutbox,
+    i: usize,
+    committing: impl FnOnce(),
+) {
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
     sqlx::query("INSERT INTO orders (customer, total) VALUES ('alice', 4200)")
         .execute(&mut *tx)
         .await
         .unwrap();
     outbox.enqueue(&mut *tx, bench_message(i)).await.unwrap();
+    committing();
     tx.commit().await.unwrap();
 }
 
@@ -127,15 +172,14 @@ fn produce(driver: Driver, store: &SqliteStore, times: Arc<Times>, base: Instant
             if let Some(wait) = at.checked_duration_since(Instant::now()) {
                 std::thread::sleep(wait);
             }
-            let began = base.elapsed().as_micros() as u64;
-            times.began[i].store(began.max(1), Ordering::Release);
+            Times::stamp(&times.began, i, base);
+            let committing = || Times::stamp(&times.committing, i, base);
             match (&mut conn, &pool) {
-                (Some(conn), _) => commit_rusqlite(conn, &outbox, i),
-                (None, Some(pool)) => rt.block_on(commit_sqlx(pool, &outbox, i)),
+                (Some(conn), _) => commit_rusqlite(conn, &outbox, i, committing),
+                (None, Some(pool)) => rt.block_on(commit_sqlx(pool, &outbox, i, committing)),
                 (None, None) => unreachable!("one driver"),
             }
-            let committed = base.elapsed().as_micros() as u64;
-            times.committed[i].store(committed.max(1), Ordering::Release);
+            Times::stamp(&times.committed, i, base);
         }
         if let Some(pool) = pool {
             rt.block_on(pool.close());
@@ -146,8 +190,8 @@ fn produce(driver: Driver, store: &SqliteStore, times: Arc<Times>, base: Instant
 type Producer = std::thread::JoinHandle<()>;
 
 /// Runs the producer at `rate` msg/s for `count` messages, with a relay
-/// delivering to an in-process handler if `relay`.
-pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool) -> Run {
+/// delivering to an in-process handler if `relay`; `round` names the trace.
+pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, round: usize) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let store = open(dir.path()).await;
     drop(app_connection(store.path()));
@@ -185,12 +229,16 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool) -> 
         relay.shutdown().await;
     }
     let wal = sampler.map(WalSampler::stop);
-    let handled = relay_ran(&times).then(|| times.hist(&times.handled));
+    let committing: Vec<u64> = times
+        .committing
+        .iter()
+        .map(|t| t.load(Ordering::Acquire))
+        .collect();
     if trace_enabled() {
         let name = format!(
-            "latency-{}-{rate}-{}",
+            "latency-{}-{rate}-{}-{round}",
             driver.name(),
-            if handled.is_some() {
+            if relay_ran(&times) {
                 "relay"
             } else {
                 "no-relay"
@@ -200,7 +248,8 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool) -> 
     }
     Run {
         commit: times.hist(&times.committed),
-        handled,
+        handled: times.hist(&times.handled),
+        commit_to_handled: times.between(&committing, &times.handled),
     }
 }
 
@@ -259,13 +308,14 @@ impl WalSampler {
 fn write_trace(name: &str, times: &Times, wal: &[(u64, u32, u32)]) {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/outbox-bench");
     std::fs::create_dir_all(&dir).unwrap();
-    let mut csv = String::from("i,scheduled_us,began_us,committed_us,handled_us\n");
+    let mut csv = String::from("i,scheduled_us,began_us,committing_us,committed_us,handled_us\n");
     for i in 0..times.scheduled.len() {
         let get = |v: &[AtomicU64]| v[i].load(Ordering::Acquire);
         csv += &format!(
-            "{i},{},{},{},{}\n",
+            "{i},{},{},{},{},{}\n",
             times.scheduled[i],
             get(&times.began),
+            get(&times.committing),
             get(&times.committed),
             get(&times.handled)
         );
@@ -328,17 +378,30 @@ fn beside(rows: Vec<Figure>, name: &str, baseline: &Histogram<u64>) -> Vec<Figur
         .collect()
 }
 
-/// The open-loop figures: at each rate and through each driver, commit →
-/// handled beside the same producer's commit with no relay running.
+/// The open-loop figures: at each rate and through each driver, scheduled
+/// → handled beside the same producer's scheduled → commit with no relay
+/// running. In full mode, two rounds of each, in alternating order, so that
+/// figure and baseline see the same machine.
 pub async fn figures(quick: bool) -> Vec<Figure> {
     let mut out = Vec::new();
+    let rounds = if quick { 1 } else { 2 };
     for rate in [500u32, 1000] {
         // 5 s of load in full mode (2,500 messages at 500 msg/s).
         let count = if quick { 200 } else { rate as usize * 5 };
         for driver in [Driver::Sqlx, Driver::Rusqlite] {
-            let alone = open_loop(driver, rate, count, false).await;
-            let with = open_loop(driver, rate, count, true).await;
-            let handled = with.handled.expect("the relay ran");
+            let (mut alone, mut with) = (Run::new(), Run::new());
+            for round in 0..rounds {
+                let order = if round % 2 == 0 {
+                    [false, true]
+                } else {
+                    [true, false]
+                };
+                for relay in order {
+                    let run = open_loop(driver, rate, count / rounds, relay, round).await;
+                    (if relay { &mut with } else { &mut alone }).add(&run);
+                }
+            }
+            let handled = &with.handled;
             let (p50, p99) = if rate == 500 {
                 ("≤ 0.5 ms", "≤ 2 ms, or ≤ 1.2 × baseline")
             } else {
@@ -347,7 +410,7 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
             let d = driver.name();
             let rows = latency_rows(
                 &format!("scheduled → handled, SQLite, {d}, open loop {rate} msg/s ({count} msgs)"),
-                &handled,
+                handled,
                 p50,
                 p99,
             );
@@ -368,6 +431,15 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
                     alone.commit.value_at_quantile(0.99) as f64 / 1000.0,
                 ),
             );
+            let ms = |q: f64| with.commit_to_handled.value_at_quantile(q) as f64 / 1000.0;
+            for (q, at) in [("p50", 0.5), ("p99", 0.99)] {
+                out.push(Figure::new(
+                    format!("… just before COMMIT → handled (the issue's measure), {d}, {rate} msg/s, {q}"),
+                    ms(at),
+                    "ms",
+                    "—",
+                ));
+            }
         }
     }
     let hist = closed_loop(if quick { 300 } else { 3000 }, Duration::from_millis(2)).await;
