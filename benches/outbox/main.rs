@@ -9,6 +9,7 @@
 //! containing it, so `sqlite` also runs `sqlite-latency`).
 
 mod common;
+mod latency_trace;
 mod memory;
 mod rabbit;
 mod sqlite;

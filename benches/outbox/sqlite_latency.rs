@@ -6,13 +6,11 @@
 //! it was committing (no coordinated omission). Each figure stands beside
 //! the same producer with no relay running: the database's own commit tail.
 //!
-//! `OUTBOX_BENCH_TRACE=1` also writes each run's per-message times and a
-//! sample of the WAL's frame counters to `target/outbox-bench/` (see
-//! `docs/latency.md`).
+//! `OUTBOX_BENCH_TRACE=1` also writes each run's per-message times and the
+//! WAL's counters, and prints a summary of each (`latency_trace`).
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
@@ -22,6 +20,7 @@ use outbox_sqlite::rusqlite::TransactionBehavior;
 use outbox_sqlite::sqlx;
 
 use crate::common::{Figure, histogram, latency_rows};
+use crate::latency_trace::{self, Trace, WalSampler};
 use crate::sqlite::{app_connection, bench_message, open, sqlx_pool};
 
 /// The driver the producer commits through.
@@ -215,7 +214,7 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
     } else {
         None
     };
-    let sampler = trace_enabled().then(|| WalSampler::start(store.path(), base));
+    let sampler = latency_trace::enabled().then(|| WalSampler::start(store.path(), base));
     let producer = produce(driver, &store, times.clone(), base);
     tokio::task::spawn_blocking(move || producer.join().unwrap())
         .await
@@ -234,7 +233,7 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
         .iter()
         .map(|t| t.load(Ordering::Acquire))
         .collect();
-    if trace_enabled() {
+    if let Some(wal) = wal {
         let name = format!(
             "latency-{}-{rate}-{}-{round}",
             driver.name(),
@@ -244,7 +243,16 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
                 "no-relay"
             }
         );
-        write_trace(&name, &times, wal.as_deref().unwrap_or_default());
+        let load = |v: &[AtomicU64]| v.iter().map(|t| t.load(Ordering::Acquire)).collect();
+        Trace {
+            scheduled: times.scheduled.clone(),
+            began: load(&times.began),
+            committing: committing.clone(),
+            committed: load(&times.committed),
+            handled: load(&times.handled),
+            wal,
+        }
+        .write(&name);
     }
     Run {
         commit: times.hist(&times.committed),
@@ -255,77 +263,6 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
 
 fn relay_ran(times: &Times) -> bool {
     times.handled.iter().any(|h| h.load(Ordering::Acquire) > 0)
-}
-
-fn trace_enabled() -> bool {
-    std::env::var("OUTBOX_BENCH_TRACE").is_ok_and(|v| v != "0" && !v.is_empty())
-}
-
-/// The WAL's counters, read from the wal-index (`-shm`) header every
-/// 200 µs: frames in the WAL (`mxFrame`) and frames checkpointed into the
-/// database (`nBackfill`). A fall of `mxFrame` is a WAL restart; a rise of
-/// `nBackfill` a checkpoint.
-struct WalSampler {
-    stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Vec<(u64, u32, u32)>>,
-}
-
-impl WalSampler {
-    fn start(db: &Path, base: Instant) -> Self {
-        let shm = PathBuf::from(format!("{}-shm", db.display()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
-        let thread = std::thread::spawn(move || {
-            use std::io::{Read, Seek, SeekFrom};
-            let mut out = Vec::new();
-            let mut last = (u32::MAX, u32::MAX);
-            let mut buf = [0u8; 104];
-            while !s.load(Ordering::Acquire) {
-                if let Ok(mut f) = std::fs::File::open(&shm) {
-                    if f.seek(SeekFrom::Start(0)).is_ok() && f.read_exact(&mut buf).is_ok() {
-                        let word =
-                            |at: usize| u32::from_ne_bytes(buf[at..at + 4].try_into().unwrap());
-                        let now = (word(16), word(96));
-                        if now != last {
-                            out.push((base.elapsed().as_micros() as u64, now.0, now.1));
-                            last = now;
-                        }
-                    }
-                }
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            out
-        });
-        WalSampler { stop, thread }
-    }
-
-    fn stop(self) -> Vec<(u64, u32, u32)> {
-        self.stop.store(true, Ordering::Release);
-        self.thread.join().unwrap()
-    }
-}
-
-fn write_trace(name: &str, times: &Times, wal: &[(u64, u32, u32)]) {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/outbox-bench");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut csv = String::from("i,scheduled_us,began_us,committing_us,committed_us,handled_us\n");
-    for i in 0..times.scheduled.len() {
-        let get = |v: &[AtomicU64]| v[i].load(Ordering::Acquire);
-        csv += &format!(
-            "{i},{},{},{},{},{}\n",
-            times.scheduled[i],
-            get(&times.began),
-            get(&times.committing),
-            get(&times.committed),
-            get(&times.handled)
-        );
-    }
-    std::fs::write(dir.join(format!("{name}.csv")), csv).unwrap();
-    let mut csv = String::from("at_us,wal_frames,backfilled\n");
-    for (at, frames, backfilled) in wal {
-        csv += &format!("{at},{frames},{backfilled}\n");
-    }
-    std::fs::write(dir.join(format!("{name}-wal.csv")), csv).unwrap();
 }
 
 /// Closed loop, for contrast: one message per transaction, the next
