@@ -5,12 +5,16 @@
 //! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, else the local
 //! default if it answers; without a broker their row says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, sqlite, rabbitmq; `drain` runs only SQLite's drain figures).
+//! (memory, sqlite, sqlite-latency, rabbitmq; a name selects every group
+//! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
+//! only SQLite's drain figures).
 
 mod common;
+mod latency_trace;
 mod memory;
 mod rabbit;
 mod sqlite;
+mod sqlite_latency;
 
 fn main() {
     if let Ok(n) = std::env::var("OUTBOX_BENCH_RSS_CHILD") {
@@ -39,6 +43,9 @@ fn main() {
             figures.extend(sqlite::figures(quick).await);
         } else if wanted("sqlite-drain") {
             figures.extend(sqlite::drain_figures(quick).await.0);
+        }
+        if wanted("sqlite-latency") {
+            figures.extend(sqlite_latency::figures(quick).await);
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);

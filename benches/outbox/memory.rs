@@ -303,7 +303,7 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
     ));
     let hist = latency(if quick { 300 } else { 3000 }, Duration::from_micros(500)).await;
     out.extend(latency_rows(
-        "commit → handled, memory, light load",
+        "commit → handled, memory, closed loop (one message at a time, 0.5 ms apart)",
         &hist,
         "≤ 0.5 ms",
         "≤ 2 ms",

@@ -1,6 +1,7 @@
 //! Figures on the SQLite backend: enqueue overhead (sqlx and rusqlite),
 //! drain throughput beside a bare rusqlite loop running the same SQL,
-//! latency, and peak RSS while draining a large backlog.
+//! latency at 80 % of what the relay sustains beside a writer, and peak RSS while draining a large
+//! backlog. The latency figures at a fixed rate are in `sqlite_latency`.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -100,19 +101,25 @@ fn enqueue_overhead_rusqlite(store: &SqliteStore, iterations: usize) -> (f64, f6
     (per(with), per(plain))
 }
 
-/// The same through sqlx.
-async fn enqueue_overhead_sqlx(store: &SqliteStore, iterations: usize) -> (f64, f64) {
-    drop(app_connection(store.path()));
-    let pool = SqlitePoolOptions::new()
+/// The application's sqlx pool, configured as a production app would
+/// (WAL, `synchronous = NORMAL`); one connection.
+pub async fn sqlx_pool(path: &Path) -> sqlx::SqlitePool {
+    SqlitePoolOptions::new()
         .max_connections(1)
         .connect_with(
             SqliteConnectOptions::new()
-                .filename(store.path())
+                .filename(path)
                 .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
                 .synchronous(sqlx::sqlite::SqliteSynchronous::Normal),
         )
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The same through sqlx.
+async fn enqueue_overhead_sqlx(store: &SqliteStore, iterations: usize) -> (f64, f64) {
+    drop(app_connection(store.path()));
+    let pool = sqlx_pool(store.path()).await;
     let outbox = store.outbox();
     let (mut plain, mut with) = (Duration::ZERO, Duration::ZERO);
     let block = 100;
@@ -202,39 +209,6 @@ async fn drain_bare(n: usize, batch: usize) -> f64 {
     })
     .await
     .unwrap()
-}
-
-/// Commit → handled with one message per transaction, `gap` apart.
-async fn latency_light(samples: usize, gap: Duration) -> hdrhistogram::Histogram<u64> {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(dir.path()).await;
-    let (tx_done, mut rx_done) = tokio::sync::mpsc::unbounded_channel::<Instant>();
-    let handlers = Handlers::new().on_message("Bench", move |_m: &Message| {
-        let _ = tx_done.send(Instant::now());
-        async { Ok::<_, std::io::Error>(()) }
-    });
-    let relay = Relay::builder(store.clone())
-        .dispatcher(handlers)
-        .spawn()
-        .unwrap();
-    relay.until_idle().await.unwrap();
-    let mut conn = app_connection(store.path());
-    let outbox = store.outbox();
-    let mut hist = histogram();
-    for i in 0..samples {
-        let tx = conn
-            .transaction_with_behavior(TransactionBehavior::Immediate)
-            .unwrap();
-        outbox.enqueue_rusqlite(&tx, bench_message(i)).unwrap();
-        let committed = Instant::now();
-        tx.commit().unwrap();
-        let handled = rx_done.recv().await.unwrap();
-        hist.record(handled.duration_since(committed).as_micros() as u64)
-            .unwrap();
-        tokio::time::sleep(gap).await;
-    }
-    relay.shutdown().await;
-    hist
 }
 
 /// Commit → handled while a writer thread offers `rate` msg/s (in
@@ -449,13 +423,6 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
     }
     let (drains, capacity) = drain_figures(quick).await;
     out.extend(drains);
-    let hist = latency_light(if quick { 300 } else { 3000 }, Duration::from_millis(2)).await;
-    out.extend(latency_rows(
-        "commit → handled, SQLite, light load (1 msg / 2 ms)",
-        &hist,
-        "≤ 0.5 ms",
-        "≤ 2 ms",
-    ));
     // Capacity under load: the drain figures above have the machine to
     // themselves, but here a writer shares the two cores and the database's
     // write lock. Offer 1.5 × the drain capacity; what the relay sustains

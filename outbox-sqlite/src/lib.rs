@@ -2,9 +2,11 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod checkpoint;
 mod error;
 mod inbox;
 mod listener;
+mod lock_wait;
 mod outbox;
 mod row;
 mod schema;
@@ -12,6 +14,7 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
 pub use inbox::InboxOutcome;
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};

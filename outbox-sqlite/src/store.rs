@@ -14,8 +14,10 @@ use outbox_api::{
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 
+use crate::checkpoint::{Checkpointer, DEFAULT_CHECKPOINT_PAGES};
 use crate::error::from_rusqlite;
 use crate::listener::{Signals, SqliteListener};
+use crate::lock_wait;
 use crate::outbox::SqliteOutbox;
 use crate::row::{Decoded, decode};
 #[cfg(test)]
@@ -36,6 +38,7 @@ pub struct SqliteStoreBuilder {
     clock: Arc<dyn Clock>,
     busy_timeout: Duration,
     change_poll: Duration,
+    checkpoint_pages: u32,
 }
 
 impl std::fmt::Debug for SqliteStoreBuilder {
@@ -46,6 +49,7 @@ impl std::fmt::Debug for SqliteStoreBuilder {
             .field("inbox_table", &self.inbox_table)
             .field("busy_timeout", &self.busy_timeout)
             .field("change_poll", &self.change_poll)
+            .field("checkpoint_pages", &self.checkpoint_pages)
             .finish_non_exhaustive()
     }
 }
@@ -74,6 +78,8 @@ impl SqliteStoreBuilder {
 
     /// How long the store's statements wait for a write lock held by another
     /// connection (default 5 s) before failing with an `Unavailable` error.
+    /// They try again every 50 µs at first, the pause growing to 1 ms, not
+    /// after SQLite's own 1, 2, 5, 10 … ms sleeps.
     pub fn busy_timeout(mut self, timeout: Duration) -> Self {
         self.busy_timeout = timeout;
         self
@@ -83,6 +89,19 @@ impl SqliteStoreBuilder {
     /// processes (default 2 ms; one cheap `PRAGMA data_version` each time).
     pub fn change_poll_interval(mut self, interval: Duration) -> Self {
         self.change_poll = interval;
+        self
+    }
+
+    /// The WAL size, in pages, at which the store checkpoints the WAL on a
+    /// background thread with a connection of its own (default 250, a
+    /// quarter of SQLite's `wal_autocheckpoint`). The store's own commits
+    /// then never checkpoint, so a relay never waits for one, and while the
+    /// relay writes, the WAL is checkpointed before the application's
+    /// commits reach their own threshold and checkpoint it inside a COMMIT
+    /// (`docs/latency.md`). `0` leaves checkpoints to SQLite: the store's
+    /// connection checkpoints on its commits like any other.
+    pub fn checkpoint_pages(mut self, pages: u32) -> Self {
+        self.checkpoint_pages = pages;
         self
     }
 
@@ -99,9 +118,22 @@ impl SqliteStoreBuilder {
         }
         let path = self.path.clone();
         let busy = self.busy_timeout;
-        let conn = tokio::task::spawn_blocking(move || open_connection(&path, busy, true))
-            .await
-            .map_err(|e| Error::backend(format!("opening the SQLite database: {e}")))??;
+        let conn = tokio::task::spawn_blocking(move || {
+            let conn = open_connection(&path, busy, true)?;
+            // Waits for locks in short steps (`lock_wait`), up to `busy`.
+            lock_wait::install(&conn).map_err(|e| {
+                Error::unavailable(format!(
+                    "cannot configure SQLite database `{}`",
+                    path.display()
+                ))
+                .with_source(e)
+            })?;
+            Ok::<_, Error>(conn)
+        })
+        .await
+        .map_err(|e| Error::backend(format!("opening the SQLite database: {e}")))??;
+        let checkpointer = (self.checkpoint_pages > 0)
+            .then(|| Checkpointer::new(&conn, &self.path, busy, self.checkpoint_pages));
         let canonical = std::fs::canonicalize(&self.path).unwrap_or_else(|_| self.path.clone());
         let signals = shared_signals(&canonical, &sql.outbox);
         let sql = Arc::new(sql);
@@ -109,6 +141,7 @@ impl SqliteStoreBuilder {
             inner: Arc::new(Inner {
                 path: self.path,
                 conn: Mutex::new(conn),
+                checkpointer,
                 outbox: SqliteOutbox::new(Arc::clone(&sql), signals.clone(), self.clock),
                 sql,
                 signals,
@@ -175,6 +208,8 @@ pub struct SqliteStore {
 struct Inner {
     path: PathBuf,
     conn: Mutex<Connection>,
+    /// Checkpoints the WAL off the store's commit path, unless turned off.
+    checkpointer: Option<Checkpointer>,
     sql: Arc<Sql>,
     outbox: SqliteOutbox,
     signals: Signals,
@@ -207,6 +242,7 @@ impl SqliteStore {
             clock: Arc::new(SystemClock),
             busy_timeout: DEFAULT_BUSY_TIMEOUT,
             change_poll: DEFAULT_CHANGE_POLL,
+            checkpoint_pages: DEFAULT_CHECKPOINT_PAGES,
         }
     }
 
@@ -275,7 +311,8 @@ impl SqliteStore {
         .await
     }
 
-    /// Runs `f` on the store's connection on the blocking pool.
+    /// Runs `f` on the store's connection on the blocking pool, then starts
+    /// a background checkpoint if its commits grew the WAL enough.
     async fn run<T, F>(&self, what: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,
@@ -284,7 +321,13 @@ impl SqliteStore {
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
             let mut conn = inner.conn.lock().unwrap_or_else(|p| p.into_inner());
-            f(&mut conn, &inner.sql).map_err(|e| from_rusqlite(e, what, &inner.sql.outbox))
+            let out = lock_wait::with_timeout(inner.busy_timeout, || f(&mut conn, &inner.sql))
+                .map_err(|e| from_rusqlite(e, what, &inner.sql.outbox));
+            drop(conn);
+            if let Some(checkpointer) = &inner.checkpointer {
+                checkpointer.after_call();
+            }
+            out
         })
         .await
         .map_err(|e| Error::backend(format!("{what}: the blocking task failed: {e}")))?

@@ -523,3 +523,50 @@ fn attached_connections_wake_on_commit_of_long_transactions() {
         assert!(!listener.wait(Duration::from_millis(50)).await);
     });
 }
+
+/// Pages of the WAL file at its largest: SQLite reuses the file after a
+/// checkpoint, so its size is the WAL's high-water mark.
+fn wal_high_water_pages(db: &std::path::Path, page_size: u64) -> u64 {
+    let wal = std::path::PathBuf::from(format!("{}-wal", db.display()));
+    let len = std::fs::metadata(wal).map_or(0, |m| m.len());
+    len.saturating_sub(32) / (page_size + 24)
+}
+
+/// The store checkpoints the WAL in the background: while it records
+/// deliveries beside an application writer, the WAL is checkpointed and
+/// restarted long before SQLite's automatic checkpoint (1000 pages) would
+/// run inside a commit — the application's (turned off here, so that only
+/// the store can checkpoint) or the store's own. Without the background
+/// checkpoint the store's own commit checkpoints at 1000 pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_wal_is_checkpointed_in_the_background_below_sqlites_threshold() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path().join("wal.db")).await.unwrap();
+    store.migrate().await.unwrap();
+    let outbox = store.outbox();
+    let mut app = rusqlite::Connection::open(store.path()).unwrap();
+    app.busy_timeout(Duration::from_secs(5)).unwrap();
+    app.execute_batch("PRAGMA synchronous = NORMAL; PRAGMA wal_autocheckpoint = 0")
+        .unwrap();
+    let page_size: u64 = app
+        .query_row("PRAGMA page_size", [], |r| r.get::<_, i64>(0))
+        .unwrap() as u64;
+    // About 7 pages a round: the WAL passes 1000 pages four times over.
+    for n in 0..600 {
+        let tx = app
+            .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+            .unwrap();
+        outbox.enqueue_rusqlite(&tx, domain(n)).unwrap();
+        tx.commit().unwrap();
+        let claimed = store.claim(&req("w", 10)).await.unwrap();
+        let ids: Vec<_> = claimed.iter().map(|m| m.id).collect();
+        store.complete(&ids, Timestamp::now()).await.unwrap();
+        tokio::time::sleep(Duration::from_micros(200)).await;
+    }
+    assert_eq!(store.stats().await.unwrap().processed, 600);
+    let high = wal_high_water_pages(store.path(), page_size);
+    assert!(
+        high < 1_000,
+        "the WAL reached {high} pages: it was not checkpointed in the background"
+    );
+}
