@@ -154,6 +154,9 @@ async fn send_concurrently(
     batch: &[Message],
     calls: usize,
 ) -> Vec<Outcome> {
+    if batch.is_empty() {
+        return Vec::new();
+    }
     let size = batch.len().div_ceil(calls);
     let barrier = Arc::new(Barrier::new(batch.chunks(size).len()));
     let tasks: Vec<_> = batch
