@@ -301,14 +301,16 @@ impl Sql {
                  FROM (SELECT pg_advisory_xact_lock(hashtextextended($4, {seed}))) AS key_lock \
                  RETURNING pg_current_xact_id()::text"
             ),
-            // Every key's lock first (in one order, so two batches never
-            // deadlock each other), then the rows in the order given.
+            // Every key's lock first, in byte order of the keys (the order
+            // the crate docs ask of transactions that enqueue several keys
+            // one by one, so that they never deadlock with a batch), then
+            // the rows in the order given.
             insert_many: format!(
                 "WITH key_locks AS MATERIALIZED (
                    SELECT count(*) AS n FROM (
-                     SELECT pg_advisory_xact_lock(h) FROM (
-                       SELECT DISTINCT hashtextextended(k, {seed}) AS h
-                       FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS hashes
+                     SELECT pg_advisory_xact_lock(hashtextextended(k, {seed})) FROM (
+                       SELECT DISTINCT k COLLATE \"C\" AS k
+                       FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS keys
                    ) AS locked),
                  inserted AS (
                    INSERT INTO {t} ({INSERT_COLUMNS})
