@@ -167,7 +167,7 @@ impl StoreUnderTest for PgUnderTest {
         let mut tx = self.pool.begin().await.expect("begin");
         let mut ids = Vec::new();
         for m in messages {
-            ids.push(outbox.enqueue(&mut *tx, m).await?);
+            ids.push(outbox.enqueue(&mut tx, m).await?);
         }
         tx.commit().await.expect("commit");
         Ok(ids)
@@ -177,7 +177,7 @@ impl StoreUnderTest for PgUnderTest {
         let outbox = self.store.outbox();
         let mut tx = self.pool.begin().await.expect("begin");
         for m in messages {
-            outbox.enqueue(&mut *tx, m).await.expect("enqueue");
+            outbox.enqueue(&mut tx, m).await.expect("enqueue");
         }
         tx.rollback().await.expect("rollback");
     }
