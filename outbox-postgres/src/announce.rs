@@ -193,9 +193,19 @@ async fn look(inner: &Inner, watching: &[(u64, Instant)]) {
         {
             Ok(rows) => rows,
             Err(e) => {
+                // Cannot tell: announce them as if committed (a wake-up too
+                // many costs one empty claim) and stop watching them; a
+                // commit that comes later is found by the relays' polling.
                 tracing::debug!(error = %e, table = %inner.sql.names.outbox_display(),
-                "could not look at enqueuing transactions; relays will poll");
-                forget_old(inner);
+                    "could not look at enqueuing transactions; announcing them");
+                {
+                    let mut state = lock(&inner.state);
+                    for (xid, _) in watching {
+                        state.watching.remove(xid);
+                    }
+                    state.notify_due = true;
+                }
+                inner.local.notify();
                 return;
             }
         };

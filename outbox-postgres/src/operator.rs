@@ -8,7 +8,7 @@ use outbox_api::{
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use crate::error::storable;
-use crate::row::Decoded;
+use crate::row::decode_annotated;
 use crate::store::{PgStore, to_i64};
 
 /// What an operator does to a message.
@@ -137,7 +137,7 @@ impl OperatorStore for PgStore {
             .await
             .map_err(|e| self.fail(e, what))?;
         rows.iter()
-            .map(Decoded::from_row)
+            .map(decode_annotated)
             .collect::<std::result::Result<_, _>>()
             .map_err(|e| self.fail(e, what))
     }
@@ -150,7 +150,7 @@ impl OperatorStore for PgStore {
             .await
             .map_err(|e| self.fail(e, what))?;
         row.as_ref()
-            .map(Decoded::from_row)
+            .map(decode_annotated)
             .transpose()
             .map_err(|e| self.fail(e, what))
     }

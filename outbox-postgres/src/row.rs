@@ -153,6 +153,11 @@ impl Reader<'_> {
     }
 }
 
+/// For operator reads: the message of a row, annotated with its problems.
+pub(crate) fn decode_annotated(row: &PgRow) -> Result<Message, sqlx::Error> {
+    Ok(decode(row)?.annotated())
+}
+
 /// Decodes a row selected with `schema::COLUMNS`. Only `seq` must decode;
 /// every other problem is collected, so that the row can be poisoned with a
 /// note saying what was wrong.

@@ -288,7 +288,14 @@ impl Sql {
         let values = "$1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12";
         Sql {
             claim_lock,
-            begin_locked: format!("BEGIN; SELECT pg_advisory_xact_lock({claim_lock})"),
+            // A claim waits at most 10 s for the lock (then fails, and the
+            // relay tries again), and a holder whose client went silent
+            // mid-transaction is cut off after 10 s, releasing it.
+            begin_locked: format!(
+                "BEGIN; SET LOCAL lock_timeout = '10s'; \
+                 SET LOCAL idle_in_transaction_session_timeout = '10s'; \
+                 SELECT pg_advisory_xact_lock({claim_lock})"
+            ),
             insert: format!(
                 "INSERT INTO {t} ({INSERT_COLUMNS}) VALUES ({values}) \
                  RETURNING pg_current_xact_id()::text"

@@ -1,225 +1,22 @@
 //! [`PgStore`]: the relay's view of one outbox table in PostgreSQL, safe for
 //! any number of relays in any processes.
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_api::backend::redact_url;
 use outbox_api::{
     Backlog, ClaimRequest, Clock, Error, FailOutcome, Failure, Message, MessageId, Release, Result,
-    Stats, Store, SystemClock, Timestamp, WorkListener,
+    Stats, Store, Timestamp, WorkListener,
 };
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
 
 use crate::announce::{Announcer, shared_wakeup};
-use crate::error::{connecting, from_sqlx, password_of, storable};
+use crate::error::{from_sqlx, storable};
 use crate::listener::{PgWorkListener, WakeUp};
 use crate::outbox::PgOutbox;
-use crate::row::{Decoded, decode};
-use crate::schema::{self, Names, Sql, TableKind, VERSIONS_TABLE};
-
-/// How many connections a store opens at most (relays, operators and the
-/// commit watcher share them).
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 8;
-/// How long connecting, or waiting for a free connection, may take.
-pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How often a listener reports a change when it cannot `LISTEN` (or with
-/// [`WakeUp::PollOnly`]).
-pub const DEFAULT_POLL: Duration = Duration::from_millis(500);
-/// At most one `NOTIFY` per table per this interval from one process.
-pub const DEFAULT_NOTIFY_DEBOUNCE: Duration = Duration::from_millis(50);
-
-/// Where a store's connections come from.
-enum Source {
-    Url(String),
-    Pool(PgPool),
-}
-
-/// Configures and connects a [`PgStore`]; see [`PgStore::builder`].
-pub struct PgStoreBuilder {
-    source: Source,
-    schema: String,
-    table: String,
-    inbox_table: String,
-    clock: Arc<dyn Clock>,
-    max_connections: u32,
-    connect_timeout: Duration,
-    wake_up: WakeUp,
-    poll: Duration,
-    notify_debounce: Duration,
-}
-
-impl std::fmt::Debug for PgStoreBuilder {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let source = match &self.source {
-            Source::Url(url) => redact_url(url),
-            Source::Pool(pool) => describe(&pool.connect_options()),
-        };
-        f.debug_struct("PgStoreBuilder")
-            .field("source", &source)
-            .field("schema", &self.schema)
-            .field("table", &self.table)
-            .field("inbox_table", &self.inbox_table)
-            .field("wake_up", &self.wake_up)
-            .finish_non_exhaustive()
-    }
-}
-
-/// `postgres://user@host:port/database`, never with a password.
-fn describe(o: &PgConnectOptions) -> String {
-    format!(
-        "postgres://{}@{}:{}/{}",
-        o.get_username(),
-        o.get_host(),
-        o.get_port(),
-        o.get_database().unwrap_or("")
-    )
-}
-
-impl PgStoreBuilder {
-    /// The PostgreSQL schema holding the tables (default `public`).
-    /// Lower-case letters, digits and `_`; not `pg_…`.
-    pub fn schema(mut self, name: impl Into<String>) -> Self {
-        self.schema = name.into();
-        self
-    }
-
-    /// The outbox table's name (default `outbox`): one outbox per module or
-    /// database. Lower-case letters, digits and `_`, at most 48 characters.
-    pub fn table(mut self, name: impl Into<String>) -> Self {
-        self.table = name.into();
-        self
-    }
-
-    /// The inbox table's name (default `outbox_inbox`), validated like
-    /// [`table`](Self::table).
-    pub fn inbox_table(mut self, name: impl Into<String>) -> Self {
-        self.inbox_table = name.into();
-        self
-    }
-
-    /// Where enqueue timestamps come from (default: the wall clock). Give it
-    /// the relay's clock in tests that move time.
-    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
-        self.clock = clock;
-        self
-    }
-
-    /// How many connections the store opens at most (default 8). Ignored
-    /// for a store built on an application's pool.
-    pub fn max_connections(mut self, n: u32) -> Self {
-        self.max_connections = n;
-        self
-    }
-
-    /// How long connecting, or waiting for a free connection, may take
-    /// before an `Unavailable` error (default 5 s). Ignored for a store
-    /// built on an application's pool.
-    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.connect_timeout = timeout;
-        self
-    }
-
-    /// How relays learn about other processes' commits (default
-    /// [`WakeUp::ListenNotify`]; [`WakeUp::PollOnly`] behind PgBouncer in
-    /// transaction mode).
-    pub fn wake_up(mut self, mode: WakeUp) -> Self {
-        self.wake_up = mode;
-        self
-    }
-
-    /// How often a listener reports a change when it cannot `LISTEN`
-    /// (default 500 ms): each report makes its relay claim once.
-    pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll = interval;
-        self
-    }
-
-    /// The shortest time between two `NOTIFY`s of this table from this
-    /// process (default 50 ms). A commit inside the interval is announced
-    /// at its end, never dropped.
-    pub fn notify_debounce(mut self, interval: Duration) -> Self {
-        self.notify_debounce = interval;
-        self
-    }
-
-    /// Validates the configuration and connects. Does not create tables:
-    /// call [`PgStore::migrate`].
-    pub async fn connect(self) -> Result<PgStore> {
-        let names = Names::new(&self.schema, &self.table, &self.inbox_table)?;
-        for (field, value) in [
-            ("poll_interval", self.poll),
-            ("connect_timeout", self.connect_timeout),
-        ] {
-            if value.is_zero() {
-                return Err(Error::config(field, "must be greater than zero"));
-            }
-        }
-        if self.max_connections == 0 {
-            return Err(Error::config("max_connections", "must be at least 1"));
-        }
-        let (pool, display) = match self.source {
-            Source::Pool(pool) => {
-                let display = describe(&pool.connect_options());
-                (pool, display)
-            }
-            Source::Url(url) => {
-                let display = redact_url(&url);
-                let options = PgConnectOptions::from_str(&url).map_err(|e| {
-                    let err = connecting(e, &display, password_of(&url));
-                    Error::config("url", format!("`{display}` is not a valid PostgreSQL URL"))
-                        .with_source(err)
-                })?;
-                let options = if options.get_application_name().is_none() {
-                    options.application_name("outbox-rs")
-                } else {
-                    options
-                };
-                let pool = PgPoolOptions::new()
-                    .max_connections(self.max_connections)
-                    .acquire_timeout(self.connect_timeout)
-                    // A broken connection surfaces as an error on use, and
-                    // the relay retries: no ping before every statement.
-                    .test_before_acquire(false)
-                    .connect_with(options)
-                    .await
-                    .map_err(|e| connecting(e, &display, password_of(&url)))?;
-                (pool, display)
-            }
-        };
-        let options = pool.connect_options();
-        let identity = format!(
-            "{}:{}/{}/{}.{}",
-            options.get_host(),
-            options.get_port(),
-            options.get_database().unwrap_or(""),
-            names.schema,
-            names.outbox
-        );
-        let sql = Arc::new(Sql::new(names));
-        let announcer = Announcer::new(
-            pool.clone(),
-            Arc::clone(&sql),
-            shared_wakeup(&identity),
-            self.notify_debounce,
-        );
-        Ok(PgStore {
-            inner: Arc::new(Inner {
-                display,
-                claim: sql.claim(),
-                outbox: PgOutbox::new(Arc::clone(&sql), announcer.clone(), self.clock),
-                sql,
-                pool,
-                announcer,
-                wake_up: self.wake_up,
-                poll: self.poll,
-            }),
-        })
-    }
-}
+use crate::row::decode;
+use crate::schema::{Names, Sql};
 
 /// An outbox table (and its inbox) in PostgreSQL: the relay's [`Store`] and
 /// the operators' [`OperatorStore`](outbox_api::OperatorStore).
@@ -258,82 +55,45 @@ impl std::fmt::Debug for PgStore {
 }
 
 impl PgStore {
-    /// Connects to the database at `url` (`postgres://user:password@host:port/db`)
-    /// with the default schema and table names.
-    pub async fn connect(url: &str) -> Result<PgStore> {
-        Self::builder(url).connect().await
-    }
-
-    /// A builder for the database at `url`: names, clock, pool size, wake-up.
-    pub fn builder(url: impl Into<String>) -> PgStoreBuilder {
-        Self::builder_from(Source::Url(url.into()))
-    }
-
-    /// A builder for a store on the application's own pool (its size and
-    /// timeouts apply). `LISTEN` connections are opened beside the pool,
-    /// with the same options, never taken from it.
-    pub fn builder_with_pool(pool: PgPool) -> PgStoreBuilder {
-        Self::builder_from(Source::Pool(pool))
-    }
-
-    fn builder_from(source: Source) -> PgStoreBuilder {
-        PgStoreBuilder {
-            source,
-            schema: schema::DEFAULT_SCHEMA.to_owned(),
-            table: schema::DEFAULT_OUTBOX_TABLE.to_owned(),
-            inbox_table: schema::DEFAULT_INBOX_TABLE.to_owned(),
-            clock: Arc::new(SystemClock),
-            max_connections: DEFAULT_MAX_CONNECTIONS,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            wake_up: WakeUp::default(),
-            poll: DEFAULT_POLL,
-            notify_debounce: DEFAULT_NOTIFY_DEBOUNCE,
+    /// The store over `pool` (described as `display`, never with a
+    /// password) for the tables `names`.
+    pub(crate) fn assemble(
+        pool: PgPool,
+        display: String,
+        names: Names,
+        clock: Arc<dyn Clock>,
+        wake_up: WakeUp,
+        poll: Duration,
+        notify_debounce: Duration,
+    ) -> PgStore {
+        let options = pool.connect_options();
+        let identity = format!(
+            "{}:{}/{}/{}.{}",
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or(""),
+            names.schema,
+            names.outbox
+        );
+        let sql = Arc::new(Sql::new(names));
+        let announcer = Announcer::new(
+            pool.clone(),
+            Arc::clone(&sql),
+            shared_wakeup(&identity),
+            notify_debounce,
+        );
+        PgStore {
+            inner: Arc::new(Inner {
+                display,
+                claim: sql.claim(),
+                outbox: PgOutbox::new(Arc::clone(&sql), announcer.clone(), clock),
+                sql,
+                pool,
+                announcer,
+                wake_up,
+                poll,
+            }),
         }
-    }
-
-    /// Creates or upgrades the schema, the outbox and the inbox tables.
-    /// Versioned (in `<schema>.outbox_schema_versions`) and idempotent: safe
-    /// to call at every start, from several processes at once (they take
-    /// turns on an advisory lock; the migration is one transaction).
-    pub async fn migrate(&self) -> Result<()> {
-        let names = &self.inner.sql.names;
-        let what = "migrating";
-        let table = names.outbox_display();
-        let fail = |e| from_sqlx(e, what, &table);
-        let mut tx = self.inner.pool.begin().await.map_err(fail)?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(schema::migration_lock())
-            .execute(&mut *tx)
-            .await
-            .map_err(fail)?;
-        let s = &names.schema;
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            r#"CREATE SCHEMA IF NOT EXISTS "{s}";
-               CREATE TABLE IF NOT EXISTS "{s}"."{VERSIONS_TABLE}" (
-                   table_name  text PRIMARY KEY,
-                   table_kind  text NOT NULL,
-                   version     integer NOT NULL,
-                   applied_at  bigint NOT NULL
-               )"#
-        )))
-        .execute(&mut *tx)
-        .await
-        .map_err(fail)?;
-        let mut applied = 0;
-        for (kind, table_name) in [
-            (TableKind::Outbox, &names.outbox),
-            (TableKind::Inbox, &names.inbox),
-        ] {
-            applied += migrate_table(&mut tx, s, kind, table_name)
-                .await
-                .map_err(fail)?;
-        }
-        tx.commit().await.map_err(fail)?;
-        if applied > 0 {
-            tracing::info!(outbox = %table, inbox = %names.inbox_display(), applied,
-                "outbox schema migrated");
-        }
-        Ok(())
     }
 
     /// The handle applications enqueue with (in their own sqlx transaction)
@@ -547,49 +307,6 @@ impl PgStore {
     }
 }
 
-/// Applies the missing migrations of `table`; returns how many.
-async fn migrate_table(
-    tx: &mut PgConnection,
-    schema: &str,
-    kind: TableKind,
-    table: &str,
-) -> std::result::Result<usize, sqlx::Error> {
-    let current: Option<i32> = sqlx::query_scalar(AssertSqlSafe(format!(
-        r#"SELECT version FROM "{schema}"."{VERSIONS_TABLE}" WHERE table_name = $1"#
-    )))
-    .bind(table)
-    .fetch_optional(&mut *tx)
-    .await?;
-    let current = current.unwrap_or(0);
-    let migrations = kind.migrations();
-    let mut applied = 0;
-    for (i, sql) in migrations.iter().enumerate() {
-        let version = i as i32 + 1;
-        if version <= current {
-            continue;
-        }
-        sqlx::raw_sql(AssertSqlSafe(TableKind::render(sql, schema, table)))
-            .execute(&mut *tx)
-            .await?;
-        applied += 1;
-    }
-    if applied > 0 {
-        sqlx::query(AssertSqlSafe(format!(
-            r#"INSERT INTO "{schema}"."{VERSIONS_TABLE}" (table_name, table_kind, version, applied_at)
-               VALUES ($1, $2, $3, $4)
-               ON CONFLICT (table_name) DO UPDATE SET version = excluded.version,
-                 applied_at = excluded.applied_at"#
-        )))
-        .bind(table)
-        .bind(kind.label())
-        .bind(migrations.len() as i32)
-        .bind(Timestamp::now().as_millis())
-        .execute(&mut *tx)
-        .await?;
-    }
-    Ok(applied)
-}
-
 pub(crate) fn to_i64(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -761,14 +478,5 @@ impl Store for PgStore {
             &self.inner.sql.names.channel(),
             self.inner.poll,
         ))
-    }
-}
-
-impl Decoded {
-    /// For operator reads: every row, annotated with its problems.
-    pub(crate) fn from_row(
-        row: &sqlx::postgres::PgRow,
-    ) -> std::result::Result<Message, sqlx::Error> {
-        Ok(decode(row)?.annotated())
     }
 }
