@@ -412,9 +412,18 @@ impl Sql {
 ///
 /// A message is claimable when it is pending, available, its lease is free
 /// or expired, its kind matches, and no other message of its key stands in
-/// its way: none earlier (by `seq`) that is not processed and not claimable
-/// now (those that are come first in `seq` order and are claimed by this
-/// same statement), and none later that holds a live lease.
+/// its way:
+/// * no earlier one (by `seq`) that is not processed and not claimable now
+///   (those that are come first in `seq` order and are claimed by this same
+///   statement) — one step of the key index per earlier message, and
+///   claims take a key's messages from its front, so few;
+/// * and the next later one that is not processed holds no live lease. A
+///   key's leases cover a run of its messages from the front, so that one
+///   step stands for the whole run. With the per-key enqueue lock no
+///   message commits behind a leased one of its key; this guards rows
+///   written past it (raw SQL), at the cost of one index step, where
+///   looking at every later message would cost the key's whole backlog.
+///
 /// `FOR UPDATE SKIP LOCKED` keeps the claim from waiting on rows a
 /// completion is writing; the outer `WHERE` repeats the lease condition.
 pub(crate) fn claim_sql(names: &Names) -> String {
@@ -426,15 +435,18 @@ pub(crate) fn claim_sql(names: &Names) -> String {
              AND m.available_at <= $3
              AND (m.locked_until IS NULL OR m.locked_until <= $3)
              AND ($4::text IS NULL OR m.kind = $4)
-             AND (m.key IS NULL OR NOT EXISTS (
-               SELECT 1 FROM {t} AS b
-               WHERE b.key = m.key AND b.state <> 'processed' AND b.seq <> m.seq
-                 AND ((b.seq < m.seq
-                       AND (b.state <> 'pending'
-                            OR b.available_at > $3
-                            OR b.locked_until > $3
-                            OR ($4::text IS NOT NULL AND b.kind <> $4)))
-                   OR (b.seq > m.seq AND b.state = 'pending' AND b.locked_until > $3))))
+             AND (m.key IS NULL OR (
+               NOT EXISTS (
+                 SELECT 1 FROM {t} AS b
+                 WHERE b.key = m.key AND b.seq < m.seq AND b.state <> 'processed'
+                   AND (b.state <> 'pending'
+                        OR b.available_at > $3
+                        OR b.locked_until > $3
+                        OR ($4::text IS NOT NULL AND b.kind <> $4)))
+               AND NOT COALESCE((
+                 SELECT a.locked_until > $3 FROM {t} AS a
+                 WHERE a.key = m.key AND a.seq > m.seq AND a.state <> 'processed'
+                 ORDER BY a.seq LIMIT 1), false)))
            ORDER BY m.seq
            LIMIT $5
            FOR UPDATE OF m SKIP LOCKED)

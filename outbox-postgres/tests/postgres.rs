@@ -444,3 +444,54 @@ async fn poll_only_reports_a_change_every_poll_interval_and_never_listens() {
     .unwrap();
     assert_eq!(listening, 0);
 }
+
+/// The claim walks the pending index in `seq` order and checks a key's other
+/// messages through the key index: work in proportion to the batch, not to
+/// the table (thousands of processed rows here).
+#[tokio::test]
+async fn the_claim_plan_uses_the_partial_indexes() {
+    let f = PgUnderTest::fresh(None).await;
+    let outbox = f.pg().outbox();
+    for chunk in 0..10 {
+        let mut tx = f.pool().begin().await.unwrap();
+        outbox
+            .enqueue_many(
+                &mut tx,
+                (0..500)
+                    .map(|n| msg(chunk * 500 + n).key(format!("k{}", n % 50)))
+                    .collect(),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // Half processed, a quarter leased, a quarter waiting.
+    for _ in 0..5 {
+        let batch = f.pg().claim(&claim(500)).await.unwrap();
+        let ids: Vec<_> = batch.iter().map(|m| m.id).collect();
+        f.pg().complete(&ids, Timestamp::now()).await.unwrap();
+    }
+    assert_eq!(f.pg().claim(&claim(1250)).await.unwrap().len(), 1250);
+    let mut conn = f.pool().acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"ANALYZE "{s}".test_outbox;
+           PREPARE claim_plan(text, bigint, bigint, text, bigint) AS {claim}"#,
+        s = f.schema(),
+        claim = f.pg().claim_statement()
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let now = Timestamp::now().add(Duration::from_secs(1)).as_millis();
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN EXECUTE claim_plan('w', {}, {now}, NULL, 20)",
+        now + 30_000
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("test_outbox_pending_idx"), "{plan}");
+    assert!(plan.contains("test_outbox_key_idx"), "{plan}");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+}
