@@ -178,6 +178,7 @@ async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
         relay.shutdown().await;
     }
 
+    let committed = record.committed.lock().await;
     let count = record.count.lock().unwrap();
     assert_eq!(count.len(), MESSAGES, "every message was delivered");
     let twice: Vec<_> = count.iter().filter(|(_, n)| **n != 1).collect();
@@ -185,7 +186,6 @@ async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
         twice.is_empty(),
         "delivered more than once while leases held: {twice:?}"
     );
-    let committed = record.committed.lock().await;
     let delivered = record.delivered.lock().unwrap();
     assert_eq!(committed.len(), delivered.len());
     for (key, order) in committed.iter() {
