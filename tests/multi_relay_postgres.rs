@@ -7,9 +7,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox::postgres::{PgStore, sqlx};
 use outbox::{Handlers, Message, MessageKind, NewMessage, Relay, Store};
 use outbox_postgres::testing::PgUnderTest;
+use outbox_postgres::{PgStore, sqlx};
 
 const RELAYS: usize = 4;
 const PRODUCERS: usize = 4;
