@@ -40,6 +40,12 @@ pub mod sqlite {
     pub use outbox_sqlite::*;
 }
 
+/// The PostgreSQL backend (feature `postgres`).
+#[cfg(feature = "postgres")]
+pub mod postgres {
+    pub use outbox_postgres::*;
+}
+
 /// The RabbitMQ transport (feature `rabbitmq`).
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq {

@@ -1,0 +1,231 @@
+//! [`PgStoreBuilder`]: the configuration of a [`PgStore`], and connecting.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_api::backend::redact_url;
+use outbox_api::{Clock, Error, Result, SystemClock};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::error::{connecting, password_of};
+use crate::listener::WakeUp;
+use crate::schema::{self, Names};
+use crate::store::PgStore;
+
+/// How many connections a store opens at most (relays, operators and the
+/// commit watcher share them).
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 8;
+/// How long connecting, or waiting for a free connection, may take.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often a listener reports a change when it cannot `LISTEN` (or with
+/// [`WakeUp::PollOnly`]).
+pub const DEFAULT_POLL: Duration = Duration::from_millis(500);
+/// At most one `NOTIFY` per table per this interval from one process.
+pub const DEFAULT_NOTIFY_DEBOUNCE: Duration = Duration::from_millis(50);
+
+/// Where a store's connections come from.
+enum Source {
+    Url(String),
+    Pool(PgPool),
+}
+
+/// Configures and connects a [`PgStore`]; see [`PgStore::builder`].
+pub struct PgStoreBuilder {
+    source: Source,
+    schema: String,
+    table: String,
+    inbox_table: String,
+    clock: Arc<dyn Clock>,
+    max_connections: u32,
+    connect_timeout: Duration,
+    wake_up: WakeUp,
+    poll: Duration,
+    notify_debounce: Duration,
+}
+
+impl std::fmt::Debug for PgStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let source = match &self.source {
+            Source::Url(url) => redact_url(url),
+            Source::Pool(pool) => describe(&pool.connect_options()),
+        };
+        f.debug_struct("PgStoreBuilder")
+            .field("source", &source)
+            .field("schema", &self.schema)
+            .field("table", &self.table)
+            .field("inbox_table", &self.inbox_table)
+            .field("wake_up", &self.wake_up)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `postgres://user@host:port/database`, never with a password.
+pub(crate) fn describe(o: &PgConnectOptions) -> String {
+    format!(
+        "postgres://{}@{}:{}/{}",
+        o.get_username(),
+        o.get_host(),
+        o.get_port(),
+        o.get_database().unwrap_or("")
+    )
+}
+
+impl PgStoreBuilder {
+    /// The PostgreSQL schema holding the tables (default `public`).
+    /// Lower-case letters, digits and `_`; not `pg_…`.
+    pub fn schema(mut self, name: impl Into<String>) -> Self {
+        self.schema = name.into();
+        self
+    }
+
+    /// The outbox table's name (default `outbox`): one outbox per module or
+    /// database. Lower-case letters, digits and `_`, at most 48 characters.
+    pub fn table(mut self, name: impl Into<String>) -> Self {
+        self.table = name.into();
+        self
+    }
+
+    /// The inbox table's name (default `outbox_inbox`), validated like
+    /// [`table`](Self::table).
+    pub fn inbox_table(mut self, name: impl Into<String>) -> Self {
+        self.inbox_table = name.into();
+        self
+    }
+
+    /// Where enqueue timestamps come from (default: the wall clock). Give it
+    /// the relay's clock in tests that move time.
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// How many connections the store opens at most (default 8). Ignored
+    /// for a store built on an application's pool.
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.max_connections = n;
+        self
+    }
+
+    /// How long connecting, or waiting for a free connection, may take
+    /// before an `Unavailable` error (default 5 s). Ignored for a store
+    /// built on an application's pool.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How relays learn about other processes' commits (default
+    /// [`WakeUp::ListenNotify`]; [`WakeUp::PollOnly`] behind PgBouncer in
+    /// transaction mode).
+    pub fn wake_up(mut self, mode: WakeUp) -> Self {
+        self.wake_up = mode;
+        self
+    }
+
+    /// How often a listener reports a change when it cannot `LISTEN`
+    /// (default 500 ms): each report makes its relay claim once.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll = interval;
+        self
+    }
+
+    /// The shortest time between two `NOTIFY`s of this table from this
+    /// process (default 50 ms). A commit inside the interval is announced
+    /// at its end, never dropped.
+    pub fn notify_debounce(mut self, interval: Duration) -> Self {
+        self.notify_debounce = interval;
+        self
+    }
+
+    /// Validates the configuration and connects. Does not create tables:
+    /// call [`PgStore::migrate`].
+    pub async fn connect(self) -> Result<PgStore> {
+        let names = Names::new(&self.schema, &self.table, &self.inbox_table)?;
+        for (field, value) in [
+            ("poll_interval", self.poll),
+            ("connect_timeout", self.connect_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(Error::config(field, "must be greater than zero"));
+            }
+        }
+        if self.max_connections == 0 {
+            return Err(Error::config("max_connections", "must be at least 1"));
+        }
+        let (pool, display) = match self.source {
+            Source::Pool(pool) => {
+                let display = describe(&pool.connect_options());
+                (pool, display)
+            }
+            Source::Url(url) => {
+                let display = redact_url(&url);
+                let options = PgConnectOptions::from_str(&url).map_err(|e| {
+                    let err = connecting(e, &display, password_of(&url));
+                    Error::config("url", format!("`{display}` is not a valid PostgreSQL URL"))
+                        .with_source(err)
+                })?;
+                let options = if options.get_application_name().is_none() {
+                    options.application_name("outbox-rs")
+                } else {
+                    options
+                };
+                let pool = PgPoolOptions::new()
+                    .max_connections(self.max_connections)
+                    .acquire_timeout(self.connect_timeout)
+                    // A broken connection surfaces as an error on use, and
+                    // the relay retries: no ping before every statement.
+                    .test_before_acquire(false)
+                    .connect_with(options)
+                    .await
+                    .map_err(|e| connecting(e, &display, password_of(&url)))?;
+                (pool, display)
+            }
+        };
+        Ok(PgStore::assemble(
+            pool,
+            display,
+            names,
+            self.clock,
+            self.wake_up,
+            self.poll,
+            self.notify_debounce,
+        ))
+    }
+}
+
+impl PgStore {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/db`)
+    /// with the default schema and table names.
+    pub async fn connect(url: &str) -> Result<PgStore> {
+        Self::builder(url).connect().await
+    }
+
+    /// A builder for the database at `url`: names, clock, pool size, wake-up.
+    pub fn builder(url: impl Into<String>) -> PgStoreBuilder {
+        Self::builder_from(Source::Url(url.into()))
+    }
+
+    /// A builder for a store on the application's own pool (its size and
+    /// timeouts apply). `LISTEN` connections are opened beside the pool,
+    /// with the same options, never taken from it.
+    pub fn builder_with_pool(pool: PgPool) -> PgStoreBuilder {
+        Self::builder_from(Source::Pool(pool))
+    }
+
+    fn builder_from(source: Source) -> PgStoreBuilder {
+        PgStoreBuilder {
+            source,
+            schema: schema::DEFAULT_SCHEMA.to_owned(),
+            table: schema::DEFAULT_OUTBOX_TABLE.to_owned(),
+            inbox_table: schema::DEFAULT_INBOX_TABLE.to_owned(),
+            clock: Arc::new(SystemClock),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            wake_up: WakeUp::default(),
+            poll: DEFAULT_POLL,
+            notify_debounce: DEFAULT_NOTIFY_DEBOUNCE,
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! Turning sqlx errors into [`outbox_api::Error`]s that name what failed.
+
+use outbox_api::{Error, ErrorKind, MessageId};
+
+/// What a SQLSTATE (or a driver error without one) means for the caller.
+fn kind_of(e: &sqlx::Error) -> ErrorKind {
+    match e {
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            match code.as_ref() {
+                // unique_violation
+                "23505" => ErrorKind::Conflict,
+                // serialization_failure, deadlock_detected, lock_not_available,
+                // query_canceled (a statement timeout), the server shutting down
+                // or out of resources: retrying later may succeed.
+                "40001" | "40P01" | "55P03" | "57014" | "57P01" | "57P02" | "57P03" => {
+                    ErrorKind::Unavailable
+                }
+                c if c.starts_with("08") || c.starts_with("53") => ErrorKind::Unavailable,
+                // invalid authorisation, unknown database: the configuration.
+                c if c.starts_with("28") || c == "3D000" => ErrorKind::Config,
+                _ => ErrorKind::Backend,
+            }
+        }
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => ErrorKind::Unavailable,
+        sqlx::Error::Configuration(_) => ErrorKind::Config,
+        _ => ErrorKind::Backend,
+    }
+}
+
+/// Whether the error says the table (or its schema) does not exist.
+fn is_missing_table(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db)
+        if matches!(db.code().as_deref(), Some("42P01") | Some("3F000")))
+}
+
+/// Whether the error is a unique violation.
+pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.is_unique_violation())
+}
+
+/// The one conversion of sqlx errors: an error met while doing `what` on
+/// `table` (`schema.table`), with a kind and the driver's error as source.
+pub(crate) fn from_sqlx(e: sqlx::Error, what: &str, table: &str) -> Error {
+    if is_missing_table(&e) {
+        return Error::new(
+            ErrorKind::Backend,
+            format!("{what}: table `{table}` does not exist; run `PgStore::migrate()` first"),
+        )
+        .with_source(e);
+    }
+    Error::new(kind_of(&e), format!("{what} (table `{table}`)")).with_source(e)
+}
+
+/// An error met while connecting to `redacted_url`: the driver's text with
+/// `password` scrubbed out (a URL-parsing error may quote it), never the
+/// driver's error itself.
+pub(crate) fn connecting(e: sqlx::Error, redacted_url: &str, password: Option<&str>) -> Error {
+    let kind = match kind_of(&e) {
+        ErrorKind::Backend => ErrorKind::Unavailable,
+        k => k,
+    };
+    let mut text = e.to_string();
+    if let Some(p) = password.filter(|p| !p.is_empty()) {
+        text = text.replace(p, "***");
+    }
+    Error::new(
+        kind,
+        format!("cannot connect to PostgreSQL at `{redacted_url}`"),
+    )
+    .with_source(std::io::Error::other(text))
+}
+
+/// The error for enqueuing an id that exists already.
+pub(crate) fn duplicate_id(id: MessageId, table: &str, source: sqlx::Error) -> Error {
+    Error::new(
+        ErrorKind::Conflict,
+        format!("message id {id} exists already in outbox table `{table}`"),
+    )
+    .with_source(source)
+}
+
+/// The password of a `postgres://user:password@host/db` URL, if any.
+pub(crate) fn password_of(url: &str) -> Option<&str> {
+    let rest = &url[url.find("://")? + 3..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let userinfo = &authority[..authority.rfind('@')?];
+    userinfo.split_once(':').map(|(_, p)| p)
+}
+
+/// Text safe to store in PostgreSQL's `text` (which refuses NUL).
+pub(crate) fn storable(text: &str) -> String {
+    text.replace('\0', "\u{FFFD}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_the_password_to_scrub() {
+        assert_eq!(password_of("postgres://u:s3cret@h:5432/db"), Some("s3cret"));
+        assert_eq!(password_of("postgres://u@h/db"), None);
+        assert_eq!(password_of("postgres://h/db"), None);
+        assert_eq!(password_of("not a url"), None);
+        assert_eq!(password_of("postgres://u:a@b@h/db"), Some("a@b"));
+    }
+
+    #[test]
+    fn nul_is_never_stored() {
+        assert_eq!(storable("a\0b"), "a\u{FFFD}b");
+    }
+}

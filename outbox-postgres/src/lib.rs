@@ -1,0 +1,29 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod announce;
+mod builder;
+mod error;
+mod listener;
+mod migrate;
+mod operator;
+mod outbox;
+mod row;
+mod schema;
+mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use builder::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_NOTIFY_DEBOUNCE, DEFAULT_POLL,
+    PgStoreBuilder,
+};
+pub use listener::{PgWorkListener, WakeUp};
+pub use outbox::{PgEnqueue, PgOutbox};
+pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};
+pub use store::PgStore;
+
+/// The sqlx version this crate links against, re-exported so that
+/// applications use the same one.
+pub use sqlx;

@@ -1,0 +1,512 @@
+//! Schema and table names, migrations, and the SQL text built from them.
+
+use outbox_api::{Error, Result};
+
+/// Default PostgreSQL schema.
+pub const DEFAULT_SCHEMA: &str = "public";
+/// Default outbox table name.
+pub const DEFAULT_OUTBOX_TABLE: &str = "outbox";
+/// Default inbox table name.
+pub const DEFAULT_INBOX_TABLE: &str = "outbox_inbox";
+/// The table, in each schema, that records which migrations were applied to
+/// which table.
+pub(crate) const VERSIONS_TABLE: &str = "outbox_schema_versions";
+
+/// Longest table name accepted: the longest name derived from it
+/// (`<table>_processed_idx`) must fit PostgreSQL's 63 bytes.
+pub(crate) const MAX_TABLE_LEN: usize = 48;
+/// Longest schema name accepted (PostgreSQL's identifier limit).
+pub(crate) const MAX_SCHEMA_LEN: usize = 63;
+
+/// Checks that `name` is an identifier we can splice safely:
+/// `[a-z_][a-z0-9_]*`, at most `max` bytes, not reserved. Lower case only,
+/// so that the name an operator types unquoted in `psql` is the same name.
+fn validate_identifier(field: &str, what: &str, name: &str, max: usize) -> Result<()> {
+    let mut chars = name.chars();
+    let ok_first = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let ok_rest = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !ok_first || !ok_rest {
+        return Err(Error::config(
+            field,
+            format!(
+                "{what} name `{}` is not a valid identifier (lower-case letters, digits and `_`, not starting with a digit)",
+                name.escape_debug()
+            ),
+        ));
+    }
+    if name.len() > max {
+        return Err(Error::config(
+            field,
+            format!(
+                "{what} name `{name}` is {} characters long; at most {max} are allowed",
+                name.len()
+            ),
+        ));
+    }
+    if name.starts_with("pg_") {
+        return Err(Error::config(
+            field,
+            format!("{what} name `{name}` is reserved (the `pg_` prefix belongs to PostgreSQL)"),
+        ));
+    }
+    Ok(())
+}
+
+/// A validated schema + outbox table + inbox table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Names {
+    pub schema: String,
+    pub outbox: String,
+    pub inbox: String,
+}
+
+impl Names {
+    pub(crate) fn new(schema: &str, outbox: &str, inbox: &str) -> Result<Names> {
+        validate_identifier("schema", "schema", schema, MAX_SCHEMA_LEN)?;
+        if schema == "information_schema" {
+            return Err(Error::config(
+                "schema",
+                "schema name `information_schema` is reserved",
+            ));
+        }
+        validate_identifier("table", "table", outbox, MAX_TABLE_LEN)?;
+        validate_identifier("inbox_table", "table", inbox, MAX_TABLE_LEN)?;
+        for (field, name) in [("table", outbox), ("inbox_table", inbox)] {
+            if name == VERSIONS_TABLE {
+                return Err(Error::config(
+                    field,
+                    format!("table name `{name}` is reserved"),
+                ));
+            }
+        }
+        if outbox == inbox {
+            return Err(Error::config(
+                "inbox_table",
+                format!("the inbox table must differ from the outbox table `{outbox}`"),
+            ));
+        }
+        Ok(Names {
+            schema: schema.to_owned(),
+            outbox: outbox.to_owned(),
+            inbox: inbox.to_owned(),
+        })
+    }
+
+    /// `schema.outbox`, for messages.
+    pub(crate) fn outbox_display(&self) -> String {
+        format!("{}.{}", self.schema, self.outbox)
+    }
+
+    /// `schema.inbox`, for messages.
+    pub(crate) fn inbox_display(&self) -> String {
+        format!("{}.{}", self.schema, self.inbox)
+    }
+
+    /// The NOTIFY channel of the outbox table: `outbox.<schema>.<table>`
+    /// when that fits PostgreSQL's 63 bytes, else a name derived from a hash.
+    pub(crate) fn channel(&self) -> String {
+        let readable = format!("outbox.{}.{}", self.schema, self.outbox);
+        if readable.len() <= 63 {
+            readable
+        } else {
+            format!("outbox.{:016x}", fnv1a(&readable))
+        }
+    }
+
+    /// The advisory lock every claim of this table holds for its short
+    /// transaction (and every statement that could make a claimable
+    /// message unclaimable); see `docs/decisions.md`.
+    pub(crate) fn claim_lock(&self) -> i64 {
+        fnv1a(&format!("outbox-rs claim {}.{}", self.schema, self.outbox)) as i64
+    }
+
+    /// The seed of the per-key advisory locks enqueues take.
+    pub(crate) fn key_lock_seed(&self) -> i64 {
+        fnv1a(&format!("outbox-rs key {}.{}", self.schema, self.outbox)) as i64
+    }
+}
+
+/// The advisory lock that serialises migrations, across every schema.
+pub(crate) fn migration_lock() -> i64 {
+    fnv1a("outbox-rs migrations") as i64
+}
+
+/// FNV-1a, 64 bits: a stable hash (unlike `std`'s), so every process derives
+/// the same lock keys from the same names.
+fn fnv1a(text: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in text.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
+}
+
+/// The columns every message query returns, in the order `row::decode`
+/// reads them.
+pub(crate) const COLUMNS: &str = "seq, id, kind, message_type, key, exchange, routing_key, payload, \
+     content_type, headers::text, trace_parent, created_at, available_at, attempts, last_error, \
+     state, locked_by, locked_until, processed_at";
+
+/// Migrations of the outbox table, in order; `{s}` is the schema, `{t}` the
+/// table (both validated, spliced quoted).
+const OUTBOX_MIGRATIONS: &[&str] = &[
+    // 1: the table and the partial indexes that keep claims proportional to
+    // the batch. `seq` orders a key's messages; enqueues of one key take a
+    // per-key advisory lock before drawing it, so a key's `seq` order is its
+    // commit order (docs/decisions.md). Times are milliseconds since the
+    // Unix epoch, as the relay's clock gives them.
+    //
+    // The table is hot: every message is inserted, leased, marked and
+    // purged. Autovacuum is set per table to clean it after 1 % of its rows
+    // changed (the default waits for 20 %) and at full speed (no cost
+    // delay), so dead tuples never pile up in front of the claim; a fill
+    // factor of 80 leaves room on each page for the lease updates, which
+    // touch no indexed column and so stay heap-only (HOT).
+    r#"CREATE TABLE IF NOT EXISTS "{s}"."{t}" (
+        seq           bigserial PRIMARY KEY,
+        id            uuid      NOT NULL UNIQUE,
+        kind          text      NOT NULL CHECK (kind IN ('domain', 'integration')),
+        message_type  text      NOT NULL,
+        key           text,
+        exchange      text,
+        routing_key   text,
+        payload       bytea     NOT NULL,
+        content_type  text      NOT NULL,
+        headers       jsonb,
+        trace_parent  text,
+        created_at    bigint    NOT NULL,
+        available_at  bigint    NOT NULL,
+        attempts      integer   NOT NULL DEFAULT 0,
+        last_error    text,
+        state         text      NOT NULL DEFAULT 'pending'
+                                CHECK (state IN ('pending', 'processed', 'poisoned')),
+        locked_by     text,
+        locked_until  bigint,
+        processed_at  bigint
+    ) WITH (
+        fillfactor = 80,
+        autovacuum_vacuum_scale_factor = 0.01,
+        autovacuum_vacuum_insert_scale_factor = 0.01,
+        autovacuum_analyze_scale_factor = 0.02,
+        autovacuum_vacuum_cost_delay = 0
+    );
+    CREATE INDEX IF NOT EXISTS "{t}_pending_idx" ON "{s}"."{t}" (seq) WHERE state = 'pending';
+    CREATE INDEX IF NOT EXISTS "{t}_poisoned_idx" ON "{s}"."{t}" (seq) WHERE state = 'poisoned';
+    CREATE INDEX IF NOT EXISTS "{t}_key_idx" ON "{s}"."{t}" (key, seq) WHERE key IS NOT NULL AND state <> 'processed';
+    CREATE INDEX IF NOT EXISTS "{t}_processed_idx" ON "{s}"."{t}" (processed_at) WHERE state = 'processed';"#,
+];
+
+/// Migrations of the inbox table, in order.
+const INBOX_MIGRATIONS: &[&str] = &[
+    // 1: one row per (consumer, message) handled.
+    r#"CREATE TABLE IF NOT EXISTS "{s}"."{t}" (
+        consumer     text   NOT NULL,
+        message_id   uuid   NOT NULL,
+        received_at  bigint NOT NULL,
+        PRIMARY KEY (consumer, message_id)
+    ) WITH (
+        autovacuum_vacuum_scale_factor = 0.01,
+        autovacuum_vacuum_cost_delay = 0
+    );
+    CREATE INDEX IF NOT EXISTS "{t}_received_idx" ON "{s}"."{t}" (received_at);"#,
+];
+
+/// Which migrations apply to a table.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum TableKind {
+    Outbox,
+    Inbox,
+}
+
+impl TableKind {
+    pub(crate) fn migrations(self) -> &'static [&'static str] {
+        match self {
+            TableKind::Outbox => OUTBOX_MIGRATIONS,
+            TableKind::Inbox => INBOX_MIGRATIONS,
+        }
+    }
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            TableKind::Outbox => "outbox",
+            TableKind::Inbox => "inbox",
+        }
+    }
+
+    /// Migration `sql` for `table` in `schema`.
+    pub(crate) fn render(sql: &str, schema: &str, table: &str) -> String {
+        sql.replace("{s}", schema).replace("{t}", table)
+    }
+}
+
+/// The SQL text of one outbox + inbox pair, built once from validated names.
+#[derive(Debug)]
+pub(crate) struct Sql {
+    pub names: Names,
+    pub claim_lock: i64,
+    /// `BEGIN` and the claim lock, in one round trip.
+    pub begin_locked: String,
+    pub insert: String,
+    pub insert_keyed: String,
+    pub insert_many: String,
+    pub receive: String,
+    pub purge_inbox: String,
+    pub poison_seq: String,
+    pub unlock_seq: String,
+    pub complete: String,
+    pub fail: String,
+    pub release: String,
+    pub release_worker: String,
+    pub purge: String,
+    pub count_state: String,
+    pub oldest_pending: String,
+    pub list: String,
+    pub get: String,
+    pub state_of: String,
+    pub retry: String,
+    pub discard: String,
+    pub notify: String,
+}
+
+/// The values an insert binds, in this order: `$1` id, `$2` kind, `$3`
+/// message_type, `$4` key, `$5` exchange, `$6` routing_key, `$7` payload,
+/// `$8` content_type, `$9` headers (JSON text), `$10` trace_parent, `$11`
+/// created_at, `$12` available_at.
+const INSERT_COLUMNS: &str = "id, kind, message_type, key, exchange, routing_key, payload, \
+     content_type, headers, trace_parent, created_at, available_at";
+
+impl Sql {
+    pub(crate) fn new(names: Names) -> Sql {
+        let s = &names.schema;
+        let t = format!(r#""{s}"."{}""#, names.outbox);
+        let i = format!(r#""{s}"."{}""#, names.inbox);
+        let claim_lock = names.claim_lock();
+        let seed = names.key_lock_seed();
+        let values = "$1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12";
+        Sql {
+            claim_lock,
+            // A claim waits at most 10 s for the lock (then fails, and the
+            // relay tries again), and a holder whose client went silent
+            // mid-transaction is cut off after 10 s, releasing it.
+            begin_locked: format!(
+                "BEGIN; SET LOCAL lock_timeout = '10s'; \
+                 SET LOCAL idle_in_transaction_session_timeout = '10s'; \
+                 SELECT pg_advisory_xact_lock({claim_lock})"
+            ),
+            insert: format!(
+                "INSERT INTO {t} ({INSERT_COLUMNS}) VALUES ({values}) \
+                 RETURNING pg_current_xact_id()::text"
+            ),
+            // The key's lock is taken in the FROM subquery, before the row
+            // (and its `seq`) is made: a later enqueue of the key waits for
+            // this transaction to end, then draws a higher `seq`.
+            insert_keyed: format!(
+                "INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} \
+                 FROM (SELECT pg_advisory_xact_lock(hashtextextended($4, {seed}))) AS key_lock \
+                 RETURNING pg_current_xact_id()::text"
+            ),
+            // Every key's lock first, in byte order of the keys (the order
+            // the crate docs ask of transactions that enqueue several keys
+            // one by one, so that they never deadlock with a batch), then
+            // the rows in the order given.
+            insert_many: format!(
+                "WITH key_locks AS MATERIALIZED (
+                   SELECT count(*) AS n FROM (
+                     SELECT pg_advisory_xact_lock(hashtextextended(k, {seed})) FROM (
+                       SELECT DISTINCT k COLLATE \"C\" AS k
+                       FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS keys
+                   ) AS locked),
+                 inserted AS (
+                   INSERT INTO {t} ({INSERT_COLUMNS})
+                   SELECT m.id, m.kind, m.message_type, m.key, m.exchange, m.routing_key, m.payload,
+                          m.content_type, m.headers::jsonb, m.trace_parent, m.created_at, m.available_at
+                   FROM key_locks,
+                        unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                               $7::bytea[], $8::text[], $9::text[], $10::text[], $11::int8[], $12::int8[])
+                          WITH ORDINALITY AS m(id, kind, message_type, key, exchange, routing_key,
+                               payload, content_type, headers, trace_parent, created_at,
+                               available_at, ord)
+                   ORDER BY m.ord
+                   RETURNING 1)
+                 SELECT pg_current_xact_id()::text, (SELECT count(*) FROM inserted)"
+            ),
+            receive: format!(
+                "INSERT INTO {i} (consumer, message_id, received_at) VALUES ($1, $2, $3) \
+                 ON CONFLICT DO NOTHING"
+            ),
+            purge_inbox: format!(
+                "DELETE FROM {i} WHERE (consumer, message_id) IN (
+                   SELECT consumer, message_id FROM {i} WHERE received_at < $1
+                   ORDER BY received_at LIMIT $2)"
+            ),
+            poison_seq: format!(
+                "UPDATE {t} SET state = 'poisoned', last_error = $1, locked_by = NULL, \
+                 locked_until = NULL WHERE seq = $2"
+            ),
+            unlock_seq: format!(
+                "UPDATE {t} SET locked_by = NULL, locked_until = NULL WHERE seq = $1"
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = 'processed', processed_at = $1, locked_by = NULL, \
+                 locked_until = NULL WHERE id = ANY($2) AND state = 'pending'"
+            ),
+            fail: format!(
+                "UPDATE {t} SET attempts = attempts + 1, last_error = $1,
+                   state = CASE WHEN attempts + 1 >= $2 THEN 'poisoned' ELSE 'pending' END,
+                   available_at = CASE WHEN attempts + 1 >= $2 THEN available_at ELSE $3 END,
+                   locked_by = NULL, locked_until = NULL
+                 WHERE id = $4 AND state = 'pending' AND locked_by = $5
+                 RETURNING attempts, state"
+            ),
+            release: format!(
+                "UPDATE {t} SET locked_by = NULL, locked_until = NULL, available_at = $1,
+                   last_error = COALESCE($2, last_error)
+                 WHERE id = ANY($3) AND state = 'pending' AND locked_by = $4"
+            ),
+            release_worker: format!(
+                "UPDATE {t} SET locked_by = NULL, locked_until = NULL
+                 WHERE state = 'pending' AND locked_by = $1"
+            ),
+            purge: format!(
+                "DELETE FROM {t} WHERE seq IN (
+                   SELECT seq FROM {t} WHERE state = 'processed' AND processed_at < $1
+                   ORDER BY processed_at LIMIT $2)"
+            ),
+            count_state: format!("SELECT count(*) FROM {t} WHERE state = $1"),
+            oldest_pending: format!(
+                "SELECT created_at FROM {t} WHERE state = 'pending' ORDER BY seq LIMIT 1"
+            ),
+            list: format!(
+                "SELECT {COLUMNS} FROM {t}
+                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR message_type = $2)
+                 ORDER BY seq LIMIT $3"
+            ),
+            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
+            state_of: format!("SELECT state, last_error FROM {t} WHERE id = $1 FOR UPDATE"),
+            retry: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = $1, last_error = $2,
+                   locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = $3"
+            ),
+            discard: format!(
+                "UPDATE {t} SET state = 'processed', processed_at = $1, last_error = $2,
+                   locked_by = NULL, locked_until = NULL WHERE id = $3"
+            ),
+            notify: "SELECT pg_notify($1, '')".to_owned(),
+            names,
+        }
+    }
+
+    /// The claim statement; see [`claim_sql`].
+    pub(crate) fn claim(&self) -> String {
+        claim_sql(&self.names)
+    }
+}
+
+/// The claim statement (`$1` worker, `$2` locked_until, `$3` now, `$4` kind
+/// or NULL, `$5` limit). It runs in a transaction that holds the table's
+/// claim lock (taken by an earlier statement, so that this statement's
+/// snapshot sees every claim before it).
+///
+/// A message is claimable when it is pending, available, its lease is free
+/// or expired, its kind matches, and no other message of its key stands in
+/// its way:
+/// * no earlier one (by `seq`) that is not processed and not claimable now
+///   (those that are come first in `seq` order and are claimed by this same
+///   statement) — one step of the key index per earlier message, and
+///   claims take a key's messages from its front, so few;
+/// * and the next later one that is not processed holds no live lease. A
+///   key's leases cover a run of its messages from the front, so that one
+///   step stands for the whole run. With the per-key enqueue lock no
+///   message commits behind a leased one of its key; this guards rows
+///   written past it (raw SQL), at the cost of one index step, where
+///   looking at every later message would cost the key's whole backlog.
+///
+/// `FOR UPDATE SKIP LOCKED` keeps the claim from waiting on rows a
+/// completion is writing; the outer `WHERE` repeats the lease condition.
+pub(crate) fn claim_sql(names: &Names) -> String {
+    let t = format!(r#""{}"."{}""#, names.schema, names.outbox);
+    format!(
+        "WITH picked AS (
+           SELECT m.seq FROM {t} AS m
+           WHERE m.state = 'pending'
+             AND m.available_at <= $3
+             AND (m.locked_until IS NULL OR m.locked_until <= $3)
+             AND ($4::text IS NULL OR m.kind = $4)
+             AND (m.key IS NULL OR (
+               NOT EXISTS (
+                 SELECT 1 FROM {t} AS b
+                 WHERE b.key = m.key AND b.seq < m.seq AND b.state <> 'processed'
+                   AND (b.state <> 'pending'
+                        OR b.available_at > $3
+                        OR b.locked_until > $3
+                        OR ($4::text IS NOT NULL AND b.kind <> $4)))
+               AND NOT COALESCE((
+                 SELECT a.locked_until > $3 FROM {t} AS a
+                 WHERE a.key = m.key AND a.seq > m.seq AND a.state <> 'processed'
+                 ORDER BY a.seq LIMIT 1), false)))
+           ORDER BY m.seq
+           LIMIT $5
+           FOR UPDATE OF m SKIP LOCKED)
+         UPDATE {t} AS u SET locked_by = $1, locked_until = $2
+         FROM picked
+         WHERE u.seq = picked.seq AND u.state = 'pending'
+           AND (u.locked_until IS NULL OR u.locked_until <= $3)
+         RETURNING {}",
+        COLUMNS
+            .split(", ")
+            .map(|c| format!("u.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        for ok in ["outbox", "_x", "orders_outbox2", &"a".repeat(48)] {
+            Names::new("public", ok, "inbox").unwrap();
+        }
+        for bad in [
+            "",
+            "1abc",
+            "x; DROP TABLE y",
+            "a-b",
+            "ü",
+            "Orders",
+            "pg_thing",
+            "outbox_schema_versions",
+            "x\"y",
+            &"a".repeat(49),
+        ] {
+            let err = Names::new("public", bad, "inbox").unwrap_err();
+            assert_eq!(err.kind(), outbox_api::ErrorKind::Config, "{bad}: {err}");
+            assert!(err.to_string().contains("`table`"), "{err}");
+        }
+        for bad in ["", "pg_catalog", "information_schema", "a b", "S"] {
+            let err = Names::new(bad, "outbox", "inbox").unwrap_err();
+            assert!(err.to_string().contains("`schema`"), "{bad}: {err}");
+        }
+        let err = Names::new("public", "same", "same").unwrap_err();
+        assert!(err.to_string().contains("`inbox_table`"), "{err}");
+    }
+
+    #[test]
+    fn lock_keys_and_channels_are_stable_and_distinct() {
+        let a = Names::new("public", "outbox", "outbox_inbox").unwrap();
+        let b = Names::new("shop", "outbox", "outbox_inbox").unwrap();
+        assert_eq!(a.claim_lock(), a.clone().claim_lock());
+        assert_ne!(a.claim_lock(), b.claim_lock());
+        assert_ne!(a.claim_lock(), a.key_lock_seed());
+        assert_eq!(a.channel(), "outbox.public.outbox");
+        let long = Names::new(&"s".repeat(40), &"t".repeat(40), "i").unwrap();
+        assert!(long.channel().len() <= 63, "{}", long.channel());
+        // FNV-1a test vector: the keys must not change between releases.
+        assert_eq!(fnv1a("a"), 0xaf63_dc4c_8601_ec8c);
+    }
+}

@@ -1,0 +1,482 @@
+//! [`PgStore`]: the relay's view of one outbox table in PostgreSQL, safe for
+//! any number of relays in any processes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_api::{
+    Backlog, ClaimRequest, Clock, Error, FailOutcome, Failure, Message, MessageId, Release, Result,
+    Stats, Store, Timestamp, WorkListener,
+};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
+
+use crate::announce::{Announcer, shared_wakeup};
+use crate::error::{from_sqlx, storable};
+use crate::listener::{PgWorkListener, WakeUp};
+use crate::outbox::PgOutbox;
+use crate::row::decode;
+use crate::schema::{Names, Sql};
+
+/// An outbox table (and its inbox) in PostgreSQL: the relay's [`Store`] and
+/// the operators' [`OperatorStore`](outbox_api::OperatorStore).
+///
+/// Any number of relays, in any processes, may share one table. Each claim,
+/// completion or failure is one short transaction on a pooled connection;
+/// nothing is held across a handler or a send. Claims of one table take
+/// turns on a transaction-level advisory lock and lease what they take, so
+/// a message is never claimed twice while its lease holds and a key's
+/// messages go out in commit order (see the crate docs). Cloning shares
+/// the pool. Applications enqueue through [`outbox`](PgStore::outbox).
+#[derive(Clone)]
+pub struct PgStore {
+    pub(crate) inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    display: String,
+    pub(crate) pool: PgPool,
+    pub(crate) sql: Arc<Sql>,
+    claim: String,
+    outbox: PgOutbox,
+    pub(crate) announcer: Announcer,
+    wake_up: WakeUp,
+    poll: Duration,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("database", &self.inner.display)
+            .field("table", &self.inner.sql.names.outbox_display())
+            .field("inbox_table", &self.inner.sql.names.inbox_display())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// The store over `pool` (described as `display`, never with a
+    /// password) for the tables `names`.
+    pub(crate) fn assemble(
+        pool: PgPool,
+        display: String,
+        names: Names,
+        clock: Arc<dyn Clock>,
+        wake_up: WakeUp,
+        poll: Duration,
+        notify_debounce: Duration,
+    ) -> PgStore {
+        let options = pool.connect_options();
+        let identity = format!(
+            "{}:{}/{}/{}.{}",
+            options.get_host(),
+            options.get_port(),
+            options.get_database().unwrap_or(""),
+            names.schema,
+            names.outbox
+        );
+        let sql = Arc::new(Sql::new(names));
+        let announcer = Announcer::new(
+            pool.clone(),
+            Arc::clone(&sql),
+            shared_wakeup(&identity),
+            notify_debounce,
+        );
+        PgStore {
+            inner: Arc::new(Inner {
+                display,
+                claim: sql.claim(),
+                outbox: PgOutbox::new(Arc::clone(&sql), announcer.clone(), clock),
+                sql,
+                pool,
+                announcer,
+                wake_up,
+                poll,
+            }),
+        }
+    }
+
+    /// The handle applications enqueue with (in their own sqlx transaction)
+    /// and record inbox entries with.
+    pub fn outbox(&self) -> PgOutbox {
+        self.inner.outbox.clone()
+    }
+
+    /// The store's connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The schema's name.
+    pub fn schema(&self) -> &str {
+        &self.inner.sql.names.schema
+    }
+
+    /// The outbox table's name.
+    pub fn table(&self) -> &str {
+        &self.inner.sql.names.outbox
+    }
+
+    /// The inbox table's name.
+    pub fn inbox_table(&self) -> &str {
+        &self.inner.sql.names.inbox
+    }
+
+    /// The channel relays `LISTEN` on and announcers `NOTIFY`.
+    pub fn channel(&self) -> String {
+        self.inner.sql.names.channel()
+    }
+
+    /// The exact claim statement this store runs (parameters: `$1` worker,
+    /// `$2` locked_until, `$3` now, `$4` kind or NULL, `$5` limit), for
+    /// inspection (`EXPLAIN`) and same-SQL baselines. It runs after
+    /// [`claim_lock`](Self::claim_lock) was taken in the same transaction.
+    pub fn claim_statement(&self) -> &str {
+        &self.inner.claim
+    }
+
+    /// The transaction-level advisory lock claims of this table hold.
+    pub fn claim_lock(&self) -> i64 {
+        self.inner.sql.claim_lock
+    }
+
+    /// Deletes at most `limit` inbox entries received before `before`;
+    /// returns how many. See [`purge_inbox_in_batches`](Self::purge_inbox_in_batches).
+    pub async fn purge_inbox(&self, before: Timestamp, limit: usize) -> Result<u64> {
+        let mut conn = self.acquire("purging the inbox").await?;
+        self.inner
+            .outbox
+            .purge_inbox(&mut conn, before, limit)
+            .await
+    }
+
+    /// Deletes every inbox entry received before `before`, at most `batch`
+    /// per statement, resting between statements
+    /// (`outbox_api::backend::purge_in_batches`); returns how many.
+    pub async fn purge_inbox_in_batches(&self, before: Timestamp, batch: usize) -> Result<u64> {
+        if batch == 0 {
+            return Err(Error::config("batch", "must be at least 1"));
+        }
+        outbox_api::backend::purge_in_batches(
+            batch,
+            || false,
+            |limit| self.purge_inbox(before, limit),
+        )
+        .await
+    }
+
+    async fn acquire(&self, what: &str) -> Result<sqlx::pool::PoolConnection<Postgres>> {
+        self.inner
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| self.fail(e, what))
+    }
+
+    /// A transaction that holds the claim lock (one round trip for both).
+    async fn begin_locked(&self, what: &str) -> Result<Transaction<'static, Postgres>> {
+        self.inner
+            .pool
+            .begin_with(AssertSqlSafe(self.inner.sql.begin_locked.as_str()))
+            .await
+            .map_err(|e| self.fail(e, what))
+    }
+
+    /// Commits `tx` when `result` is Ok, rolls it back (explicitly, so that
+    /// its locks are released now, not when the pool next tests the
+    /// connection) when it is not.
+    pub(crate) async fn finish<T>(
+        &self,
+        tx: Transaction<'static, Postgres>,
+        result: std::result::Result<T, sqlx::Error>,
+        what: &str,
+    ) -> Result<T> {
+        match result {
+            Ok(value) => {
+                tx.commit().await.map_err(|e| self.fail(e, what))?;
+                Ok(value)
+            }
+            Err(e) => {
+                if let Err(rollback) = tx.rollback().await {
+                    tracing::debug!(error = %rollback, "rollback after an error failed");
+                }
+                Err(self.fail(e, what))
+            }
+        }
+    }
+
+    pub(crate) fn fail(&self, e: sqlx::Error, what: &str) -> Error {
+        from_sqlx(e, what, &self.inner.sql.names.outbox_display())
+    }
+
+    /// The claim, inside a transaction holding the claim lock: one
+    /// statement, then corrupt rows are poisoned and their keys' later
+    /// messages given back.
+    async fn claim_in(
+        &self,
+        conn: &mut PgConnection,
+        r: &ClaimRequest,
+    ) -> std::result::Result<Vec<Message>, sqlx::Error> {
+        let sql = &self.inner.sql;
+        let now = r.now.as_millis();
+        let until = r.now.add(r.lease).as_millis();
+        let kind = r.kind.map(|k| k.as_str());
+        let rows = sqlx::query(AssertSqlSafe(self.inner.claim.as_str()))
+            .bind(&r.worker)
+            .bind(until)
+            .bind(now)
+            .bind(kind)
+            .bind(to_i64(r.limit))
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut decoded = rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?;
+        decoded.sort_by_key(|d| d.seq);
+        let mut out = Vec::with_capacity(decoded.len());
+        // Keys whose earlier message turned out corrupt: their later messages wait.
+        let mut parked: Vec<String> = Vec::new();
+        for d in decoded {
+            let key = d.message.key.clone();
+            let key_parked = key.as_ref().is_some_and(|k| parked.contains(k));
+            if !d.problems.is_empty() {
+                let problem = format!("corrupt row: {}", d.problems.join("; "));
+                tracing::error!(table = %sql.names.outbox_display(), seq = d.seq, %problem,
+                    "poisoning an undecodable outbox row");
+                sqlx::query(AssertSqlSafe(sql.poison_seq.as_str()))
+                    .bind(storable(&problem))
+                    .bind(d.seq)
+                    .execute(&mut *conn)
+                    .await?;
+                parked.extend(key);
+            } else if key_parked {
+                sqlx::query(AssertSqlSafe(sql.unlock_seq.as_str()))
+                    .bind(d.seq)
+                    .execute(&mut *conn)
+                    .await?;
+            } else {
+                out.push(d.message);
+            }
+        }
+        Ok(out)
+    }
+
+    async fn complete_in(
+        &self,
+        conn: &mut PgConnection,
+        ids: &[MessageId],
+        now: Timestamp,
+    ) -> std::result::Result<(), sqlx::Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
+        sqlx::query(AssertSqlSafe(self.inner.sql.complete.as_str()))
+            .bind(now.as_millis())
+            .bind(ids)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn count_state(
+        &self,
+        conn: &mut PgConnection,
+        state: &str,
+    ) -> std::result::Result<u64, sqlx::Error> {
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(self.inner.sql.count_state.as_str()))
+            .bind(state)
+            .fetch_one(conn)
+            .await?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Pending and poisoned counts (their partial indexes) and the oldest
+    /// pending message: the first in `seq` order, one index step.
+    async fn backlog_in(
+        &self,
+        conn: &mut PgConnection,
+    ) -> std::result::Result<Backlog, sqlx::Error> {
+        let oldest: Option<i64> =
+            sqlx::query_scalar(AssertSqlSafe(self.inner.sql.oldest_pending.as_str()))
+                .fetch_optional(&mut *conn)
+                .await?;
+        Ok(Backlog::new(
+            self.count_state(conn, "pending").await?,
+            self.count_state(conn, "poisoned").await?,
+            oldest.map(Timestamp::from_millis),
+        ))
+    }
+}
+
+pub(crate) fn to_i64(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn claim(&self, request: &ClaimRequest) -> Result<Vec<Message>> {
+        if request.limit == 0 {
+            return Ok(Vec::new());
+        }
+        let what = "claiming messages";
+        let mut tx = self.begin_locked(what).await?;
+        let result = self.claim_in(&mut tx, request).await;
+        self.finish(tx, result, what).await
+    }
+
+    async fn complete(&self, ids: &[MessageId], now: Timestamp) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let what = "completing messages";
+        let mut conn = self.acquire(what).await?;
+        self.complete_in(&mut conn, ids, now)
+            .await
+            .map_err(|e| self.fail(e, what))
+    }
+
+    /// One transaction for both, holding the claim lock from its start (so
+    /// that it never waits for that lock while holding row locks).
+    async fn complete_and_claim(
+        &self,
+        done: &[MessageId],
+        now: Timestamp,
+        next: &ClaimRequest,
+    ) -> Result<Vec<Message>> {
+        if next.limit == 0 {
+            self.complete(done, now).await?;
+            return Ok(Vec::new());
+        }
+        let what = "completing messages and claiming";
+        let mut tx = self.begin_locked(what).await?;
+        let result = match self.complete_in(&mut tx, done, now).await {
+            Ok(()) => self.claim_in(&mut tx, next).await,
+            Err(e) => Err(e),
+        };
+        self.finish(tx, result, what).await
+    }
+
+    /// Under the claim lock: a failure makes a claimable message
+    /// unclaimable (a later `available_at`, or poison), which a claim
+    /// running at the same time must not half-see.
+    async fn fail(&self, f: &Failure) -> Result<FailOutcome> {
+        let what = "recording a failure";
+        let mut tx = self.begin_locked(what).await?;
+        let result = sqlx::query(AssertSqlSafe(self.inner.sql.fail.as_str()))
+            .bind(storable(&f.error))
+            .bind(i32::try_from(f.max_attempts).unwrap_or(i32::MAX))
+            .bind(f.retry_at.as_millis())
+            .bind(f.id.as_uuid())
+            .bind(&f.worker)
+            .fetch_optional(&mut *tx)
+            .await;
+        let row = self.finish(tx, result, what).await?;
+        let Some(row) = row else {
+            return Ok(FailOutcome::LeaseLost);
+        };
+        let attempts: i32 = row.try_get(0).map_err(|e| self.fail(e, what))?;
+        let state: String = row.try_get(1).map_err(|e| self.fail(e, what))?;
+        let attempts = u32::try_from(attempts).unwrap_or(0);
+        Ok(if state == "poisoned" {
+            FailOutcome::Poisoned { attempts }
+        } else {
+            FailOutcome::Retrying { attempts }
+        })
+    }
+
+    /// Under the claim lock, like [`fail`](Store::fail).
+    async fn release(&self, r: &Release) -> Result<()> {
+        if r.ids.is_empty() {
+            return Ok(());
+        }
+        let what = "releasing leases";
+        let ids: Vec<uuid::Uuid> = r.ids.iter().map(MessageId::as_uuid).collect();
+        let mut tx = self.begin_locked(what).await?;
+        let result = sqlx::query(AssertSqlSafe(self.inner.sql.release.as_str()))
+            .bind(r.available_at.as_millis())
+            .bind(r.error.as_deref().map(storable))
+            .bind(ids)
+            .bind(&r.worker)
+            .execute(&mut *tx)
+            .await;
+        let done = self.finish(tx, result, what).await?;
+        if done.rows_affected() > 0 {
+            self.inner.announcer.committed();
+        }
+        Ok(())
+    }
+
+    /// Under the claim lock, like [`fail`](Store::fail).
+    async fn release_worker(&self, worker: &str) -> Result<u64> {
+        let what = "releasing a worker's leases";
+        let mut tx = self.begin_locked(what).await?;
+        let result = sqlx::query(AssertSqlSafe(self.inner.sql.release_worker.as_str()))
+            .bind(worker)
+            .execute(&mut *tx)
+            .await;
+        let done = self.finish(tx, result, what).await?;
+        if done.rows_affected() > 0 {
+            self.inner.announcer.committed();
+        }
+        Ok(done.rows_affected())
+    }
+
+    async fn stats(&self) -> Result<Stats> {
+        let what = "reading stats";
+        let mut tx = self
+            .inner
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .map_err(|e| self.fail(e, what))?;
+        let result = match self.backlog_in(&mut tx).await {
+            Ok(backlog) => self
+                .count_state(&mut tx, "processed")
+                .await
+                .map(|processed| (backlog, processed)),
+            Err(e) => Err(e),
+        };
+        let (backlog, processed) = self.finish(tx, result, what).await?;
+        Ok(Stats::new(
+            backlog.pending,
+            backlog.poisoned,
+            processed,
+            backlog.oldest_pending_created_at,
+        ))
+    }
+
+    async fn backlog(&self) -> Result<Backlog> {
+        let what = "reading the backlog";
+        let mut tx = self
+            .inner
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .map_err(|e| self.fail(e, what))?;
+        let result = self.backlog_in(&mut tx).await;
+        self.finish(tx, result, what).await
+    }
+
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> Result<u64> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let what = "purging processed messages";
+        let done = sqlx::query(AssertSqlSafe(self.inner.sql.purge.as_str()))
+            .bind(before.as_millis())
+            .bind(to_i64(limit))
+            .execute(&self.inner.pool)
+            .await
+            .map_err(|e| self.fail(e, what))?;
+        Ok(done.rows_affected())
+    }
+
+    fn listen(&self) -> Box<dyn WorkListener> {
+        Box::new(PgWorkListener::new(
+            self.inner.announcer.local(),
+            self.inner.wake_up,
+            &self.inner.pool.connect_options(),
+            &self.inner.sql.names.channel(),
+            self.inner.poll,
+        ))
+    }
+}

@@ -1,0 +1,184 @@
+//! A PostgreSQL store under test (feature `testing`): a fresh schema in the
+//! test database, dropped again when the fixture is dropped.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use async_trait::async_trait;
+use outbox_api::testing::{Service, StoreUnderTest, service_url};
+use outbox_api::{Clock, MessageId, NewMessage, OperatorStore, Result};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::{PgStore, PgStoreBuilder};
+
+/// The test database's URL: `OUTBOX_PG_URL`, else the local default if it
+/// answers; otherwise the test fails saying how to provide one.
+pub fn database_url() -> String {
+    service_url(Service::Postgres)
+}
+
+/// A schema name no other fixture uses, in this process or another.
+pub fn unique_schema(prefix: &str) -> String {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    format!(
+        "{prefix}_{}_{}_{:04x}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::SeqCst),
+        fastrand_u16()
+    )
+}
+
+fn fastrand_u16() -> u16 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    (nanos ^ (nanos >> 16)) as u16
+}
+
+/// A fresh outbox in its own schema of the test database (dropped with
+/// the fixture), with a pool for the application's transactions.
+pub struct PgUnderTest {
+    url: String,
+    schema: String,
+    store: PgStore,
+    pool: PgPool,
+}
+
+impl std::fmt::Debug for PgUnderTest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgUnderTest")
+            .field("schema", &self.schema)
+            .field("store", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgUnderTest {
+    /// Creates a schema and migrates a store in it; enqueue times come from
+    /// `clock` (the wall clock if `None`).
+    pub async fn fresh(clock: Option<Arc<dyn Clock>>) -> Self {
+        Self::fresh_with(clock, |b| b).await
+    }
+
+    /// [`fresh`](Self::fresh), with the store's builder adjusted by `adjust`
+    /// (the schema and table names are set before).
+    pub async fn fresh_with(
+        clock: Option<Arc<dyn Clock>>,
+        adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+    ) -> Self {
+        let url = database_url();
+        let schema = unique_schema("outbox_test");
+        // Every connection of the fixture carries the schema's name, so
+        // that its drop can end any of them still open.
+        let separator = if url.contains('?') { '&' } else { '?' };
+        let tagged = format!("{url}{separator}application_name={schema}");
+        let mut builder = PgStore::builder(tagged.clone())
+            .schema(schema.clone())
+            .table("test_outbox")
+            .inbox_table("test_inbox");
+        if let Some(clock) = clock {
+            builder = builder.clock(clock);
+        }
+        let store = adjust(builder)
+            .connect()
+            .await
+            .expect("connect to PostgreSQL");
+        store.migrate().await.expect("migrate");
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect(&tagged)
+            .await
+            .expect("application pool");
+        PgUnderTest {
+            url,
+            schema,
+            store,
+            pool,
+        }
+    }
+
+    /// The store.
+    pub fn pg(&self) -> &PgStore {
+        &self.store
+    }
+
+    /// The application's pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The fixture's schema.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The test database's URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+impl Drop for PgUnderTest {
+    /// Drops the schema on a connection of its own, from a thread of its
+    /// own (a drop cannot await, and may run inside a runtime).
+    fn drop(&mut self) {
+        let url = self.url.clone();
+        let schema = self.schema.clone();
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                use sqlx::Connection;
+                let mut conn = sqlx::PgConnection::connect(&url).await?;
+                sqlx::query(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+                     WHERE application_name = $1 AND pid <> pg_backend_pid()",
+                )
+                .bind(&schema)
+                .execute(&mut conn)
+                .await?;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#
+                )))
+                .execute(&mut conn)
+                .await?;
+                conn.close().await
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop test schema {}", self.schema);
+        }
+    }
+}
+
+#[async_trait]
+impl StoreUnderTest for PgUnderTest {
+    fn store(&self) -> Arc<dyn OperatorStore> {
+        Arc::new(self.store.clone())
+    }
+
+    async fn try_enqueue(&self, messages: Vec<NewMessage>) -> Result<Vec<MessageId>> {
+        let outbox = self.store.outbox();
+        let mut tx = self.pool.begin().await.expect("begin");
+        let mut ids = Vec::new();
+        for m in messages {
+            ids.push(outbox.enqueue(&mut tx, m).await?);
+        }
+        tx.commit().await.expect("commit");
+        Ok(ids)
+    }
+
+    async fn enqueue_rolled_back(&self, messages: Vec<NewMessage>) {
+        let outbox = self.store.outbox();
+        let mut tx = self.pool.begin().await.expect("begin");
+        for m in messages {
+            outbox.enqueue(&mut tx, m).await.expect("enqueue");
+        }
+        tx.rollback().await.expect("rollback");
+    }
+}

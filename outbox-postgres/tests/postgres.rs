@@ -1,0 +1,497 @@
+//! PostgreSQL specifics beyond the conformance suite: bad input, migrations,
+//! per-key locks, batches, the inbox, wake-up. Each test on a fresh schema.
+
+use std::time::Duration;
+
+use outbox_api::testing::StoreUnderTest;
+use outbox_api::testing::wait_until;
+use outbox_api::{
+    ClaimRequest, ErrorKind, MessageKind, MessageState, NewMessage, OperatorStore, Store, Timestamp,
+};
+use outbox_postgres::sqlx::{self, postgres::PgListener};
+use outbox_postgres::testing::{PgUnderTest, database_url, unique_schema};
+use outbox_postgres::{PgStore, WakeUp};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn msg(n: usize) -> NewMessage {
+    NewMessage::new(MessageKind::Domain, "Test", n.to_string().into_bytes())
+}
+
+fn claim(limit: usize) -> ClaimRequest {
+    ClaimRequest::new(
+        "w",
+        limit,
+        LEASE,
+        Timestamp::now().add(Duration::from_secs(1)),
+    )
+}
+
+fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn bad_schema_or_table_name_is_a_config_error_naming_it() {
+    // Nothing listens on port 1: the names are refused before connecting.
+    let url = "postgres://u:s3cret@127.0.0.1:1/test";
+    let cases = [
+        (PgStore::builder(url).table("x; DROP TABLE y"), "`table`"),
+        (PgStore::builder(url).table("Orders"), "`table`"),
+        (PgStore::builder(url).table("a".repeat(49)), "`table`"),
+        (PgStore::builder(url).inbox_table("in-box"), "`inbox_table`"),
+        (PgStore::builder(url).schema("pg_catalog"), "`schema`"),
+        (PgStore::builder(url).schema("my schema"), "`schema`"),
+        (PgStore::builder(url).schema(""), "`schema`"),
+    ];
+    for (builder, field) in cases {
+        let err = builder.connect().await.unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+        assert!(err.to_string().contains(field), "{err}");
+        assert!(!err.to_string().contains("s3cret"), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn unreachable_database_names_it_and_hides_the_password() {
+    let builder = PgStore::builder("postgres://outbox:s3cret@127.0.0.1:1/shop")
+        .connect_timeout(Duration::from_secs(2));
+    assert!(!format!("{builder:?}").contains("s3cret"), "{builder:?}");
+    let err = builder.connect().await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.is_retryable());
+    let text = err.to_string();
+    assert!(
+        text.contains("postgres://outbox:***@127.0.0.1:1/shop"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("s3cret") && !format!("{err:?}").contains("s3cret"),
+        "{err:?}"
+    );
+
+    let err = PgStore::connect("postgres://outbox:s3cret@127.0.0.1:notaport/shop")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(!format!("{err} {err:?}").contains("s3cret"), "{err:?}");
+}
+
+#[tokio::test]
+async fn the_password_is_never_in_debug_output() {
+    // Trust authentication ignores the password, so the store connects.
+    let url = database_url().replacen("postgres://postgres@", "postgres://postgres:s3cret@", 1);
+    let store = PgStore::builder(url.clone())
+        .schema(unique_schema("outbox_pw"))
+        .connect()
+        .await
+        .unwrap();
+    let text = format!("{store:?} {:?}", store.outbox());
+    assert!(!text.contains("s3cret"), "{text}");
+    assert!(text.contains("127.0.0.1"), "{text}");
+}
+
+#[tokio::test]
+async fn using_an_unmigrated_table_says_to_migrate() {
+    let schema = unique_schema("outbox_unmigrated");
+    let store = PgStore::builder(database_url())
+        .schema(schema.clone())
+        .connect()
+        .await
+        .unwrap();
+    let err = store.claim(&claim(10)).await.unwrap_err();
+    assert!(err.to_string().contains("PgStore::migrate()"), "{err}");
+    assert!(
+        err.to_string().contains(&format!("{schema}.outbox")),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_from_several_processes_at_once_apply_once() {
+    let f = PgUnderTest::fresh(None).await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let builder = PgStore::builder(f.url())
+            .schema(f.schema())
+            .table("other_outbox")
+            .inbox_table("other_inbox");
+        tasks.push(tokio::spawn(async move {
+            let store = builder.connect().await?;
+            store.migrate().await?;
+            store.migrate().await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let versions: Vec<(String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        r#"SELECT table_name, version FROM "{}".outbox_schema_versions ORDER BY 1"#,
+        f.schema()
+    )))
+    .fetch_all(f.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        versions,
+        [
+            ("other_inbox".into(), 1),
+            ("other_outbox".into(), 1),
+            ("test_inbox".into(), 1),
+            ("test_outbox".into(), 1)
+        ]
+    );
+    let options: Option<Vec<String>> = sqlx::query_scalar(
+        "SELECT reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = 'other_outbox'",
+    )
+    .bind(f.schema())
+    .fetch_one(f.pool())
+    .await
+    .unwrap();
+    let options = options.unwrap_or_default();
+    for setting in [
+        "autovacuum_vacuum_scale_factor=0.01",
+        "autovacuum_vacuum_cost_delay=0",
+    ] {
+        assert!(options.iter().any(|o| o == setting), "{options:?}");
+    }
+}
+
+/// Two transactions enqueueing one key take turns: the second waits at its
+/// enqueue until the first commits, so `seq` order is commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_enqueues_take_turns_so_its_order_is_commit_order() {
+    let f = PgUnderTest::fresh(None).await;
+    let outbox = f.pg().outbox();
+    let mut first = f.pool().begin().await.unwrap();
+    outbox.enqueue(&mut first, msg(1).key("k")).await.unwrap();
+
+    // A keyless message and another key are not held up.
+    let mut other = f.pool().begin().await.unwrap();
+    outbox.enqueue(&mut other, msg(2)).await.unwrap();
+    outbox.enqueue(&mut other, msg(3).key("j")).await.unwrap();
+    other.commit().await.unwrap();
+
+    let (pool, o) = (f.pool().clone(), outbox.clone());
+    let second = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        o.enqueue(&mut tx, msg(4).key("k")).await.unwrap();
+        tx.commit().await.unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second enqueue of the key waits for the first transaction"
+    );
+    first.commit().await.unwrap();
+    second.await.unwrap();
+    let claimed = f.pg().claim(&claim(10)).await.unwrap();
+    let keyed: Vec<String> = payloads(&claimed)
+        .into_iter()
+        .filter(|p| p == "1" || p == "4")
+        .collect();
+    assert_eq!(keyed, ["1", "4"], "the key's messages in commit order");
+}
+
+#[tokio::test]
+async fn enqueue_many_writes_a_batch_in_one_statement_in_order() {
+    let f = PgUnderTest::fresh(None).await;
+    let outbox = f.pg().outbox();
+    let mut tx = f.pool().begin().await.unwrap();
+    let ids = outbox
+        .enqueue_many(
+            &mut tx,
+            vec![
+                msg(1).key("b"),
+                msg(2).key("a"),
+                msg(3),
+                msg(4).key("b"),
+                NewMessage::new(MessageKind::Integration, "Out", b"5".to_vec())
+                    .destination("shop", "out")
+                    .header("x-h", "v"),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(ids.len(), 5);
+    let claimed = f.pg().claim(&claim(10)).await.unwrap();
+    assert_eq!(payloads(&claimed), ["1", "2", "3", "4", "5"]);
+    assert_eq!(claimed.iter().map(|m| m.id).collect::<Vec<_>>(), ids);
+    assert_eq!(claimed[4].headers.get("x-h").map(String::as_str), Some("v"));
+    assert_eq!(claimed[4].destination.as_ref().unwrap().exchange, "shop");
+
+    // One invalid message refuses the batch, naming it; nothing is written.
+    let mut tx = f.pool().begin().await.unwrap();
+    let err = outbox
+        .enqueue_many(&mut tx, vec![msg(6), msg(7).key(" ")])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+    assert!(err.to_string().contains("message 1 of the batch"), "{err}");
+    tx.commit().await.unwrap();
+    assert_eq!(f.pg().stats().await.unwrap().pending, 5);
+
+    // An id that exists already is a conflict naming it.
+    let mut tx = f.pool().begin().await.unwrap();
+    let err = outbox
+        .enqueue_many(&mut tx, vec![msg(8), msg(9).with_id(ids[0])])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Conflict, "{err}");
+    assert!(err.to_string().contains(&ids[0].to_string()), "{err}");
+    assert!(
+        outbox
+            .enqueue_many(&mut tx, vec![])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_inbox_turns_duplicates_into_one_effect_and_is_purged_in_batches() {
+    let f = PgUnderTest::fresh(None).await;
+    let outbox = f.pg().outbox();
+    let id = outbox_api::MessageId::new();
+    let mut a = f.pool().begin().await.unwrap();
+    assert!(outbox.try_receive(&mut a, "billing", id).await.unwrap());
+    // A second receiver of the same message waits for the first's commit.
+    let (pool, o) = (f.pool().clone(), outbox.clone());
+    let b = tokio::spawn(async move {
+        let mut tx = pool.begin().await.unwrap();
+        let fresh = o.try_receive(&mut tx, "billing", id).await.unwrap();
+        tx.commit().await.unwrap();
+        fresh
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    a.commit().await.unwrap();
+    assert!(!b.await.unwrap(), "a duplicate once the first committed");
+    let mut c = f.pool().begin().await.unwrap();
+    assert!(
+        outbox.try_receive(&mut c, "shipping", id).await.unwrap(),
+        "another consumer"
+    );
+    c.commit().await.unwrap();
+
+    let mut tx = f.pool().begin().await.unwrap();
+    for _ in 0..7 {
+        outbox
+            .try_receive(&mut tx, "bulk", outbox_api::MessageId::new())
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let later = Timestamp::now().add(Duration::from_secs(1));
+    assert_eq!(f.pg().purge_inbox(later, 3).await.unwrap(), 3);
+    assert_eq!(f.pg().purge_inbox_in_batches(later, 2).await.unwrap(), 6);
+    assert_eq!(f.pg().purge_inbox(later, 10).await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_corrupt_row_poisons_only_itself() {
+    let f = PgUnderTest::fresh(None).await;
+    f.enqueue(vec![msg(1).key("k"), msg(2).key("k"), msg(3)])
+        .await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"UPDATE "{}".test_outbox SET headers = '"not an object"' WHERE payload = '\x31'"#,
+        f.schema()
+    )))
+    .execute(f.pool())
+    .await
+    .unwrap();
+    let claimed = f.pg().claim(&claim(10)).await.unwrap();
+    assert_eq!(
+        payloads(&claimed),
+        ["3"],
+        "k's second message waits behind the corrupt first"
+    );
+    let poisoned = f
+        .pg()
+        .list(&outbox_api::ListQuery::new().state(MessageState::Poisoned))
+        .await
+        .unwrap();
+    assert_eq!(payloads(&poisoned), ["1"]);
+    let note = poisoned[0].last_error.clone().unwrap();
+    assert!(note.contains("headers"), "{note}");
+}
+
+/// Waits for a notification on `listener`, or `None` after `within`.
+async fn notified(listener: &mut PgListener, within: Duration) -> bool {
+    tokio::time::timeout(within, listener.recv()).await.is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_processes_hear_of_a_commit_after_it_never_from_inside_it() {
+    let f = PgUnderTest::fresh(None).await;
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&f.pg().channel()).await.unwrap();
+    let mut tx = f.pool().begin().await.unwrap();
+    f.pg().outbox().enqueue(&mut tx, msg(1)).await.unwrap();
+    assert!(
+        !notified(&mut raw, Duration::from_millis(300)).await,
+        "nothing is announced before the commit"
+    );
+    tx.commit().await.unwrap();
+    assert!(
+        notified(&mut raw, Duration::from_secs(5)).await,
+        "the commit is announced"
+    );
+    // A rolled-back enqueue is never announced.
+    let mut tx = f.pool().begin().await.unwrap();
+    f.pg().outbox().enqueue(&mut tx, msg(2)).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(!notified(&mut raw, Duration::from_millis(300)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn notifications_are_debounced() {
+    let f = PgUnderTest::fresh_with(None, |b| b.notify_debounce(Duration::from_millis(200))).await;
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&f.pg().channel()).await.unwrap();
+    let started = tokio::time::Instant::now();
+    for n in 0..20 {
+        f.enqueue(vec![msg(n)]).await;
+    }
+    // Twenty commits in well under a second, then the last one's notice.
+    let mut heard = 0;
+    while notified(&mut raw, Duration::from_millis(600)).await {
+        heard += 1;
+    }
+    let allowed = started.elapsed().as_millis() / 200 + 1;
+    assert!(
+        (1..=allowed as usize).contains(&heard),
+        "{heard} notifications in {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listener_reports_a_change_after_reconnecting_and_hears_other_processes() {
+    let f = PgUnderTest::fresh(None).await;
+    let mut listener = f.pg().listen();
+    // Its first connection reports a change (a catch-up claim).
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    while listener.wait(Duration::from_millis(50)).await {}
+    // Another process's NOTIFY wakes it.
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(f.pg().channel())
+        .execute(f.pool())
+        .await
+        .unwrap();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    // Its connection is cut: it reports a change, reconnects, listens again.
+    let cut: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(f.schema())
+    .fetch_all(f.pool())
+    .await
+    .unwrap();
+    assert_eq!(cut, [true], "one LISTEN connection");
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    wait_until("the listener listens again", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(f.schema())
+        .fetch_one(f.pool())
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    while listener.wait(Duration::from_millis(50)).await {}
+    sqlx::query("SELECT pg_notify($1, '')")
+        .bind(f.pg().channel())
+        .execute(f.pool())
+        .await
+        .unwrap();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+}
+
+#[tokio::test]
+async fn poll_only_reports_a_change_every_poll_interval_and_never_listens() {
+    let f = PgUnderTest::fresh_with(None, |b| {
+        b.wake_up(WakeUp::PollOnly)
+            .poll_interval(Duration::from_millis(50))
+    })
+    .await;
+    let mut listener = f.pg().listen();
+    let started = tokio::time::Instant::now();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        !listener.wait(Duration::from_millis(10)).await,
+        "a wait shorter than the poll interval times out"
+    );
+    // In-process commits still wake it at once.
+    f.enqueue(vec![msg(1)]).await;
+    let started = tokio::time::Instant::now();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let listening: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(f.schema())
+    .fetch_one(f.pool())
+    .await
+    .unwrap();
+    assert_eq!(listening, 0);
+}
+
+/// The claim walks the pending index in `seq` order and checks a key's other
+/// messages through the key index: work in proportion to the batch, not to
+/// the table (thousands of processed rows here).
+#[tokio::test]
+async fn the_claim_plan_uses_the_partial_indexes() {
+    let f = PgUnderTest::fresh(None).await;
+    let outbox = f.pg().outbox();
+    for chunk in 0..10 {
+        let mut tx = f.pool().begin().await.unwrap();
+        outbox
+            .enqueue_many(
+                &mut tx,
+                (0..500)
+                    .map(|n| msg(chunk * 500 + n).key(format!("k{}", n % 50)))
+                    .collect(),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    // Half processed, a quarter leased, a quarter waiting.
+    for _ in 0..5 {
+        let batch = f.pg().claim(&claim(500)).await.unwrap();
+        let ids: Vec<_> = batch.iter().map(|m| m.id).collect();
+        f.pg().complete(&ids, Timestamp::now()).await.unwrap();
+    }
+    assert_eq!(f.pg().claim(&claim(1250)).await.unwrap().len(), 1250);
+    let mut conn = f.pool().acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"ANALYZE "{s}".test_outbox;
+           PREPARE claim_plan(text, bigint, bigint, text, bigint) AS {claim}"#,
+        s = f.schema(),
+        claim = f.pg().claim_statement()
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let now = Timestamp::now().add(Duration::from_secs(1)).as_millis();
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN EXECUTE claim_plan('w', {}, {now}, NULL, 20)",
+        now + 30_000
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("test_outbox_pending_idx"), "{plan}");
+    assert!(plan.contains("test_outbox_key_idx"), "{plan}");
+    assert!(!plan.contains("Seq Scan"), "{plan}");
+}

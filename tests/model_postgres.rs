@@ -1,0 +1,20 @@
+//! The model-based property test on the PostgreSQL backend, each case on a
+//! fresh schema.
+
+mod model;
+
+use outbox_postgres::testing::PgUnderTest;
+use proptest::prelude::*;
+
+proptest! {
+    #![proptest_config(model::config())]
+    #[test]
+    fn relay_keeps_its_guarantees_on_postgres(batch_size in 1usize..6, ops in model::ops()) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async {
+            let clock = model::clock();
+            let sut = PgUnderTest::fresh(Some(clock.clone())).await;
+            model::run_case(Box::new(sut), clock, batch_size, ops).await;
+        });
+    }
+}
