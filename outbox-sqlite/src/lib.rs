@@ -7,6 +7,7 @@ mod error;
 mod inbox;
 mod listener;
 mod lock_wait;
+mod operator;
 mod outbox;
 mod row;
 mod schema;

@@ -6,11 +6,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_api::backend::audit_note;
 use outbox_api::{
-    Backlog, ClaimRequest, Clock, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message,
-    MessageId, MessageState, OperatorStore, Release, Result, Stats, Store, SystemClock, Timestamp,
-    WorkListener,
+    Backlog, ClaimRequest, Clock, Error, FailOutcome, Failure, Message, MessageId, Release, Result,
+    Stats, Store, SystemClock, Timestamp, WorkListener,
 };
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 
@@ -22,7 +20,7 @@ use crate::outbox::SqliteOutbox;
 use crate::row::{Decoded, decode};
 #[cfg(test)]
 use crate::schema::claim_sql;
-use crate::schema::{self, COLUMNS, Sql, TableKind};
+use crate::schema::{self, Sql, TableKind};
 
 /// How long a statement waits for another connection's write lock.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
@@ -275,6 +273,12 @@ impl SqliteStore {
         &self.inner.path
     }
 
+    /// Wakes this process's listeners: something changed that may be
+    /// claimable now (an operator's retry or discard).
+    pub(crate) fn announce_change(&self) {
+        self.inner.signals.definite.notify();
+    }
+
     /// The outbox table's name.
     pub fn table(&self) -> &str {
         &self.inner.sql.outbox
@@ -313,7 +317,7 @@ impl SqliteStore {
 
     /// Runs `f` on the store's connection on the blocking pool, then starts
     /// a background checkpoint if its commits grew the WAL enough.
-    async fn run<T, F>(&self, what: &'static str, f: F) -> Result<T>
+    pub(crate) async fn run<T, F>(&self, what: &'static str, f: F) -> Result<T>
     where
         T: Send + 'static,
         F: FnOnce(&mut Connection, &Sql) -> rusqlite::Result<T> + Send + 'static,
@@ -334,7 +338,7 @@ impl SqliteStore {
     }
 }
 
-fn to_i64(n: usize) -> i64 {
+pub(crate) fn to_i64(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
@@ -582,150 +586,6 @@ impl Store for SqliteStore {
             self.inner.change_poll,
             &self.inner.signals,
         ))
-    }
-}
-
-fn state_of(
-    conn: &Connection,
-    t: &str,
-    id: MessageId,
-) -> rusqlite::Result<Option<(String, Option<String>)>> {
-    let mut stmt =
-        conn.prepare_cached(&format!("SELECT state, last_error FROM {t} WHERE id = ?1"))?;
-    let mut rows = stmt.query([id.to_string()])?;
-    match rows.next()? {
-        Some(row) => Ok(Some((row.get(0)?, row.get(1)?))),
-        None => Ok(None),
-    }
-}
-
-enum OpOutcome {
-    Done,
-    NotFound,
-    Conflict(String),
-}
-
-/// What an operator does to a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OperatorAction {
-    /// Poisoned → pending, attempts reset.
-    Retry,
-    /// Pending or poisoned → processed without delivery.
-    Discard,
-}
-
-impl OperatorAction {
-    fn doing(self) -> &'static str {
-        match self {
-            OperatorAction::Retry => "retrying a message",
-            OperatorAction::Discard => "discarding a message",
-        }
-    }
-}
-
-impl SqliteStore {
-    async fn operator_action(
-        &self,
-        action: OperatorAction,
-        id: MessageId,
-        by: &str,
-        now: Timestamp,
-    ) -> Result<()> {
-        let by = by.to_owned();
-        let outcome = self
-            .run(action.doing(), move |conn, sql| {
-                let t = &sql.outbox;
-                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-                let Some((state, last_error)) = state_of(&tx, t, id)? else {
-                    return Ok(OpOutcome::NotFound);
-                };
-                let retry = action == OperatorAction::Retry;
-                if retry && state != "poisoned" {
-                    return Ok(OpOutcome::Conflict(format!(
-                        "message {id} is {state}, not poisoned; only poisoned messages can be retried"
-                    )));
-                }
-                if !retry && state == "processed" {
-                    return Ok(OpOutcome::Conflict(format!(
-                        "message {id} is processed already; nothing to discard"
-                    )));
-                }
-                let action = if retry { "retried" } else { "discarded" };
-                let note = audit_note(action, &by, now, last_error.as_deref());
-                let update = if retry {
-                    format!(
-                        "UPDATE {t} SET state = 'pending', attempts = 0, available_at = ?1, last_error = ?2,
-                           locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = ?3"
-                    )
-                } else {
-                    format!(
-                        "UPDATE {t} SET state = 'processed', processed_at = ?1, last_error = ?2,
-                           locked_by = NULL, locked_until = NULL WHERE id = ?3"
-                    )
-                };
-                tx.execute(&update, params![now.as_millis(), note, id.to_string()])?;
-                tx.commit()?;
-                Ok(OpOutcome::Done)
-            })
-            .await?;
-        match outcome {
-            OpOutcome::Done => {
-                self.inner.signals.definite.notify();
-                Ok(())
-            }
-            OpOutcome::NotFound => Err(Error::new(
-                ErrorKind::NotFound,
-                format!(
-                    "no message with id {id} in outbox table `{}`",
-                    self.inner.sql.outbox
-                ),
-            )),
-            OpOutcome::Conflict(msg) => Err(Error::new(ErrorKind::Conflict, msg)),
-        }
-    }
-}
-
-#[async_trait]
-impl OperatorStore for SqliteStore {
-    async fn list(&self, q: &ListQuery) -> Result<Vec<Message>> {
-        let state = q.state.map(MessageState::as_str);
-        let message_type = q.message_type.clone();
-        let limit = to_i64(if q.limit == 0 { 100 } else { q.limit });
-        self.run("listing messages", move |conn, sql| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM {} WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR message_type = ?2)
-                 ORDER BY seq LIMIT ?3",
-                sql.outbox
-            ))?;
-            let rows = stmt.query_map(params![state, message_type, limit], decode)?;
-            rows.map(|r| r.map(Decoded::annotated)).collect()
-        })
-        .await
-    }
-
-    async fn get(&self, id: MessageId) -> Result<Option<Message>> {
-        self.run("reading a message", move |conn, sql| {
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT {COLUMNS} FROM {} WHERE id = ?1",
-                sql.outbox
-            ))?;
-            let mut rows = stmt.query([id.to_string()])?;
-            match rows.next()? {
-                Some(row) => Ok(Some(decode(row)?.annotated())),
-                None => Ok(None),
-            }
-        })
-        .await
-    }
-
-    async fn retry(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
-        self.operator_action(OperatorAction::Retry, id, by, now)
-            .await
-    }
-
-    async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
-        self.operator_action(OperatorAction::Discard, id, by, now)
-            .await
     }
 }
 

@@ -1,0 +1,154 @@
+//! Operator functions over a SQLite outbox table: list, get, retry and
+//! discard ([`OperatorStore`]).
+
+use async_trait::async_trait;
+use outbox_api::backend::audit_note;
+use outbox_api::{
+    Error, ErrorKind, ListQuery, Message, MessageId, MessageState, OperatorStore, Result, Timestamp,
+};
+use rusqlite::{Connection, TransactionBehavior, params};
+
+use crate::row::{Decoded, decode};
+use crate::schema::COLUMNS;
+use crate::store::{SqliteStore, to_i64};
+
+fn state_of(
+    conn: &Connection,
+    t: &str,
+    id: MessageId,
+) -> rusqlite::Result<Option<(String, Option<String>)>> {
+    let mut stmt =
+        conn.prepare_cached(&format!("SELECT state, last_error FROM {t} WHERE id = ?1"))?;
+    let mut rows = stmt.query([id.to_string()])?;
+    match rows.next()? {
+        Some(row) => Ok(Some((row.get(0)?, row.get(1)?))),
+        None => Ok(None),
+    }
+}
+
+enum OpOutcome {
+    Done,
+    NotFound,
+    Conflict(String),
+}
+
+/// What an operator does to a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OperatorAction {
+    /// Poisoned → pending, attempts reset.
+    Retry,
+    /// Pending or poisoned → processed without delivery.
+    Discard,
+}
+
+impl OperatorAction {
+    fn doing(self) -> &'static str {
+        match self {
+            OperatorAction::Retry => "retrying a message",
+            OperatorAction::Discard => "discarding a message",
+        }
+    }
+}
+
+impl SqliteStore {
+    async fn operator_action(
+        &self,
+        action: OperatorAction,
+        id: MessageId,
+        by: &str,
+        now: Timestamp,
+    ) -> Result<()> {
+        let by = by.to_owned();
+        let outcome = self
+            .run(action.doing(), move |conn, sql| {
+                let t = &sql.outbox;
+                let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+                let Some((state, last_error)) = state_of(&tx, t, id)? else {
+                    return Ok(OpOutcome::NotFound);
+                };
+                let retry = action == OperatorAction::Retry;
+                if retry && state != "poisoned" {
+                    return Ok(OpOutcome::Conflict(format!(
+                        "message {id} is {state}, not poisoned; only poisoned messages can be retried"
+                    )));
+                }
+                if !retry && state == "processed" {
+                    return Ok(OpOutcome::Conflict(format!(
+                        "message {id} is processed already; nothing to discard"
+                    )));
+                }
+                let action = if retry { "retried" } else { "discarded" };
+                let note = audit_note(action, &by, now, last_error.as_deref());
+                let update = if retry {
+                    format!(
+                        "UPDATE {t} SET state = 'pending', attempts = 0, available_at = ?1, last_error = ?2,
+                           locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = ?3"
+                    )
+                } else {
+                    format!(
+                        "UPDATE {t} SET state = 'processed', processed_at = ?1, last_error = ?2,
+                           locked_by = NULL, locked_until = NULL WHERE id = ?3"
+                    )
+                };
+                tx.execute(&update, params![now.as_millis(), note, id.to_string()])?;
+                tx.commit()?;
+                Ok(OpOutcome::Done)
+            })
+            .await?;
+        match outcome {
+            OpOutcome::Done => {
+                self.announce_change();
+                Ok(())
+            }
+            OpOutcome::NotFound => Err(Error::new(
+                ErrorKind::NotFound,
+                format!("no message with id {id} in outbox table `{}`", self.table()),
+            )),
+            OpOutcome::Conflict(msg) => Err(Error::new(ErrorKind::Conflict, msg)),
+        }
+    }
+}
+
+#[async_trait]
+impl OperatorStore for SqliteStore {
+    async fn list(&self, q: &ListQuery) -> Result<Vec<Message>> {
+        let state = q.state.map(MessageState::as_str);
+        let message_type = q.message_type.clone();
+        let limit = to_i64(if q.limit == 0 { 100 } else { q.limit });
+        self.run("listing messages", move |conn, sql| {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM {} WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR message_type = ?2)
+                 ORDER BY seq LIMIT ?3",
+                sql.outbox
+            ))?;
+            let rows = stmt.query_map(params![state, message_type, limit], decode)?;
+            rows.map(|r| r.map(Decoded::annotated)).collect()
+        })
+        .await
+    }
+
+    async fn get(&self, id: MessageId) -> Result<Option<Message>> {
+        self.run("reading a message", move |conn, sql| {
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {COLUMNS} FROM {} WHERE id = ?1",
+                sql.outbox
+            ))?;
+            let mut rows = stmt.query([id.to_string()])?;
+            match rows.next()? {
+                Some(row) => Ok(Some(decode(row)?.annotated())),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn retry(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
+        self.operator_action(OperatorAction::Retry, id, by, now)
+            .await
+    }
+
+    async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
+        self.operator_action(OperatorAction::Discard, id, by, now)
+            .await
+    }
+}
