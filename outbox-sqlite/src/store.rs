@@ -192,7 +192,7 @@ pub(crate) fn open_connection(path: &Path, busy: Duration, writer: bool) -> Resu
 }
 
 /// An outbox table (and its inbox) in a SQLite database file: the relay's
-/// [`Store`] and the operators' [`OperatorStore`].
+/// [`Store`] and the operators' [`OperatorStore`](outbox_api::OperatorStore).
 ///
 /// The relay's calls (claim, complete, fail, release) run on a dedicated
 /// rusqlite connection inside `spawn_blocking`, one blocking hop per call
