@@ -2,8 +2,16 @@
 
 use outbox_api::{Error, ErrorKind, MessageId};
 
-/// What a SQLSTATE (or a driver error without one) means for the caller.
-fn kind_of(e: &sqlx::Error) -> ErrorKind {
+/// What a sqlx error means for the caller, by its SQLSTATE (or the driver
+/// error when there is none), as the store itself classifies its errors.
+///
+/// [`ErrorKind::Unavailable`] means that trying again later may succeed:
+/// the connection was lost or refused, the server is shutting down or
+/// starting, out of resources, a serialization failure or deadlock. A
+/// handler whose own PostgreSQL work fails so can return
+/// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable), which the
+/// relay retries without counting an attempt.
+pub fn error_kind(e: &sqlx::Error) -> ErrorKind {
     match e {
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
@@ -53,14 +61,14 @@ pub(crate) fn from_sqlx(e: sqlx::Error, what: &str, table: &str) -> Error {
         )
         .with_source(e);
     }
-    Error::new(kind_of(&e), format!("{what} (table `{table}`)")).with_source(e)
+    Error::new(error_kind(&e), format!("{what} (table `{table}`)")).with_source(e)
 }
 
 /// An error met while connecting to `redacted_url`: the driver's text with
 /// `password` scrubbed out (a URL-parsing error may quote it), never the
 /// driver's error itself.
 pub(crate) fn connecting(e: sqlx::Error, redacted_url: &str, password: Option<&str>) -> Error {
-    let kind = match kind_of(&e) {
+    let kind = match error_kind(&e) {
         ErrorKind::Backend => ErrorKind::Unavailable,
         k => k,
     };

@@ -19,6 +19,7 @@ pub use builder::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_NOTIFY_DEBOUNCE, DEFAULT_POLL,
     PgStoreBuilder,
 };
+pub use error::error_kind;
 pub use listener::{PgWorkListener, WakeUp};
 pub use outbox::{PgEnqueue, PgOutbox};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};

@@ -291,9 +291,19 @@ impl Sql {
             // A claim waits at most 10 s for the lock (then fails, and the
             // relay tries again), and a holder whose client went silent
             // mid-transaction is cut off after 10 s, releasing it.
+            //
+            // The claim must walk the pending index in `seq` order and stop
+            // at its LIMIT. With statistics that lag the table (a backlog
+            // that grew faster than autovacuum analyses it, or a generic
+            // plan cached while the table was small) the planner would
+            // rather fetch every pending row, test each one's key, and sort
+            // them: 2 s per claim at 100k pending instead of 0.5 ms
+            // (docs/decisions.md). Neither a sort nor a bitmap scan ever
+            // serves it, so both are off for these short transactions.
             begin_locked: format!(
                 "BEGIN; SET LOCAL lock_timeout = '10s'; \
                  SET LOCAL idle_in_transaction_session_timeout = '10s'; \
+                 SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; \
                  SELECT pg_advisory_xact_lock({claim_lock})"
             ),
             insert: format!(

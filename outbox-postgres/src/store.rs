@@ -135,6 +135,32 @@ impl PgStore {
         &self.inner.claim
     }
 
+    /// The plan PostgreSQL chooses now for the claim statement (at most
+    /// `limit` messages), run as the relay runs it — in a transaction
+    /// holding the claim lock with the same settings — and rolled back.
+    /// Plain `EXPLAIN`: nothing is claimed. For an operator who wonders
+    /// why claims are slow.
+    pub async fn explain_claim(&self, limit: usize) -> Result<String> {
+        let what = "explaining the claim";
+        let mut tx = self.begin_locked(what).await?;
+        let now = outbox_api::Timestamp::now();
+        let result =
+            sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("EXPLAIN {}", self.inner.claim)))
+                .bind("explain")
+                .bind(now.as_millis())
+                .bind(now.as_millis())
+                .bind(None::<&str>)
+                .bind(to_i64(limit))
+                .fetch_all(&mut *tx)
+                .await;
+        if let Err(e) = tx.rollback().await {
+            tracing::debug!(error = %e, "rollback after EXPLAIN failed");
+        }
+        result
+            .map(|lines| lines.join("\n"))
+            .map_err(|e| self.fail(e, what))
+    }
+
     /// The transaction-level advisory lock claims of this table hold.
     pub fn claim_lock(&self) -> i64 {
         self.inner.sql.claim_lock

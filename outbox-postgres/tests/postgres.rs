@@ -495,3 +495,45 @@ async fn the_claim_plan_uses_the_partial_indexes() {
     assert!(plan.contains("test_outbox_key_idx"), "{plan}");
     assert!(!plan.contains("Seq Scan"), "{plan}");
 }
+
+/// Without statistics — a backlog that grew before autovacuum analysed the
+/// table, or a generic plan cached while it was small — the planner would
+/// fetch every pending row, test each one's key and sort them all (2 s a
+/// claim at 100k pending, found by the fault test); the claim's
+/// transaction rules that out, so it walks the pending index and stops at
+/// its limit.
+#[tokio::test]
+async fn the_claim_walks_the_pending_index_even_without_statistics() {
+    let f = PgUnderTest::fresh(None).await;
+    let outbox = f.pg().outbox();
+    for chunk in 0..20 {
+        let mut tx = f.pool().begin().await.unwrap();
+        outbox
+            .enqueue_many(
+                &mut tx,
+                (0..1000)
+                    .map(|n| {
+                        let m = msg(chunk * 1000 + n);
+                        if n % 3 == 0 {
+                            m.key(format!("k{}", n % 200))
+                        } else {
+                            m
+                        }
+                    })
+                    .collect(),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let plan = f.pg().explain_claim(50).await.unwrap();
+    assert!(
+        plan.contains("Index Scan using test_outbox_pending_idx"),
+        "{plan}"
+    );
+    assert!(!plan.contains("Sort"), "{plan}");
+    assert!(!plan.contains("Bitmap"), "{plan}");
+    // EXPLAIN claimed nothing.
+    assert_eq!(f.pg().stats().await.unwrap().pending, 20_000);
+    assert_eq!(f.pg().claim(&claim(50)).await.unwrap().len(), 50);
+}
