@@ -202,7 +202,7 @@ async fn connect_pg(
         .connect_with(options)
         .await
         .map_err(|e| {
-            let text = match outbox_password(url) {
+            let text = match password_of(url) {
                 Some(p) if !p.is_empty() => e.to_string().replace(p, "***"),
                 _ => e.to_string(),
             };
@@ -212,7 +212,7 @@ async fn connect_pg(
 
 /// The password of a `postgres://user:password@host/db` URL, to scrub it
 /// from driver errors.
-fn outbox_password(url: &str) -> Option<&str> {
+fn password_of(url: &str) -> Option<&str> {
     let rest = &url[url.find("://")? + 3..];
     let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
     let userinfo = &authority[..authority.rfind('@')?];
