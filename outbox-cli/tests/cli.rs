@@ -1,4 +1,5 @@
-//! Runs the built `outbox` binary against prepared SQLite outbox databases.
+//! Runs the built `outbox` binary against prepared SQLite outbox databases
+//! (PostgreSQL: `cli_postgres.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -10,7 +11,9 @@ use outbox_api::{
 };
 use outbox_sqlite::SqliteStore;
 use outbox_sqlite::rusqlite;
-use serde_json::Value;
+
+mod common;
+use common::{assert_error, assert_ok, json_of, stderr, stdout};
 
 const TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 
@@ -110,55 +113,13 @@ fn outbox(path: &Path, args: &[&str]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox"));
     cmd.env_remove("OUTBOX_DATABASE")
         .env_remove("OUTBOX_TABLE")
+        .env_remove("OUTBOX_SCHEMA")
         .env("USER", "tester")
         .env("RUST_BACKTRACE", "1")
         .arg("--database")
         .arg(url(path))
         .args(args);
     cmd.output().unwrap()
-}
-
-fn stdout(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr).into_owned()
-}
-
-#[track_caller]
-fn assert_ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "exit {:?}\nstdout: {}\nstderr: {}",
-        out.status.code(),
-        stdout(out),
-        stderr(out)
-    );
-    stdout(out)
-}
-
-#[track_caller]
-fn json_of(out: &Output) -> Value {
-    let text = stdout(out);
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
-}
-
-/// Failed with `code`, one `error:` line on stderr naming `needle`, no panic.
-#[track_caller]
-fn assert_error(out: &Output, code: i32, needle: &str) {
-    let err = stderr(out);
-    assert_eq!(
-        out.status.code(),
-        Some(code),
-        "stdout: {}\nstderr: {err}",
-        stdout(out)
-    );
-    assert!(!err.contains("panicked"), "{err}");
-    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
-    assert_eq!(lines.len(), 1, "want one line on stderr, got: {err}");
-    assert!(lines[0].starts_with("error: "), "{err}");
-    assert!(lines[0].contains(needle), "want `{needle}` in: {err}");
 }
 
 #[tokio::test]
@@ -562,13 +523,20 @@ async fn bad_databases_are_errors_and_are_never_created_or_migrated() {
         "not an outbox table",
     );
 
-    // Malformed URLs.
+    // Malformed URLs: neither SQLite nor PostgreSQL, the password hidden.
     let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
         .env_remove("OUTBOX_DATABASE")
-        .args(["--database", "postgres://u:secret@h/db", "stats"])
+        .args(["--database", "mysql://u:secret@h/db", "stats"])
         .output()
         .unwrap();
     assert_error(&out, 2, "sqlite:PATH");
+    assert!(!stderr(&out).contains("secret"), "{}", stderr(&out));
+    // --schema is PostgreSQL's.
+    assert_error(
+        &outbox(&path, &["--schema", "shop", "stats"]),
+        2,
+        "--schema",
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
         .env_remove("OUTBOX_DATABASE")
         .args(["stats"])

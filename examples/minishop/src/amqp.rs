@@ -14,6 +14,7 @@ use outbox::rabbitmq::{
 use crate::fail::{Context, Fail};
 use crate::inbox::{AmqpInbox, InboxModule};
 use crate::messages::{OrderPlaced, StockRejected, StockReserved};
+use crate::pg_consumer::PgConsumer;
 use outbox::OutboxMessage;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -101,21 +102,113 @@ pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<Rabbit
         .context("connecting to RabbitMQ")
 }
 
+/// A module's consumer: the library's `RabbitConsumer` on SQLite, MiniShop's
+/// own [`PgConsumer`] on PostgreSQL.
+#[derive(Debug)]
+pub enum Consumer {
+    /// Into a SQLite inbox.
+    Sqlite(ConsumerHandle),
+    /// Into a PostgreSQL inbox.
+    Postgres(PgConsumer),
+}
+
+impl Consumer {
+    /// The queue it consumes.
+    pub fn queue(&self) -> &str {
+        match self {
+            Consumer::Sqlite(c) => c.queue(),
+            Consumer::Postgres(c) => c.queue(),
+        }
+    }
+
+    /// Whether it still runs.
+    pub fn is_running(&self) -> bool {
+        match self {
+            Consumer::Sqlite(c) => c.is_running(),
+            Consumer::Postgres(c) => c.is_running(),
+        }
+    }
+
+    /// Whether it is connected to the broker now.
+    pub fn is_connected(&self) -> bool {
+        match self {
+            Consumer::Sqlite(c) => c.is_connected(),
+            Consumer::Postgres(c) => c.is_connected(),
+        }
+    }
+
+    /// What it has done, for humans.
+    pub fn describe(&self) -> String {
+        let state = if self.is_connected() {
+            "connected"
+        } else {
+            "NOT connected"
+        };
+        let (handled, duplicates, retried, dead, store_errors) = match self {
+            Consumer::Sqlite(c) => {
+                let s = c.stats();
+                (
+                    s.handled,
+                    s.duplicates,
+                    s.retried,
+                    s.dead_lettered,
+                    s.store_errors,
+                )
+            }
+            Consumer::Postgres(c) => {
+                let s = c.counters();
+                let n =
+                    |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+                (
+                    n(&s.handled),
+                    n(&s.duplicates),
+                    n(&s.retried),
+                    n(&s.dead_lettered),
+                    n(&s.store_errors),
+                )
+            }
+        };
+        format!(
+            "consumer of `{}`: {state}, handled {handled}, duplicates {duplicates}, retried {retried}, dead-lettered {dead}, store errors {store_errors}",
+            self.queue()
+        )
+    }
+
+    /// Stops it.
+    pub async fn shutdown(&self) {
+        match self {
+            Consumer::Sqlite(c) => c.shutdown().await,
+            Consumer::Postgres(c) => c.shutdown().await,
+        }
+    }
+}
+
 /// Consumes `queue` into `module`'s inbox (ack after the inbox commit).
 pub async fn consumer(
     url: &str,
+    redacted: &str,
     queue: &str,
     module: Arc<dyn InboxModule>,
-) -> Result<ConsumerHandle, Fail> {
+) -> Result<Consumer, Fail> {
     let db = module.db().clone();
+    let Some((outbox, pool)) = db.sqlite() else {
+        return Ok(Consumer::Postgres(
+            PgConsumer::spawn(url, redacted, queue, module).await?,
+        ));
+    };
     let config = RabbitConfig::new(url)
         .with_connect_timeout(CONNECT_TIMEOUT)
         .with_connection_name(format!("minishop {} consumer", db.name));
+    let handler = AmqpInbox {
+        module,
+        outbox: outbox.clone(),
+    };
     RabbitConsumer::with_config(config, queue)
         .consumer_name(db.name)
         .prefetch(200)
-        .spawn(db.outbox.clone(), db.pool.clone(), AmqpInbox(module))
+        .spawn(outbox.clone(), pool.clone(), handler)
         .await
+        .map(Consumer::Sqlite)
         .context(format!("consuming RabbitMQ queue `{queue}`"))
 }
 

@@ -2,18 +2,20 @@
 //! both buses.
 //!
 //! A module implements [`InboxModule::handle`]: the message's effects and any
-//! reply, written through the open transaction it is given. Around it, the
-//! inbox transaction is always the same, `outbox-sqlite`'s
-//! `SqliteOutbox::receive_once` — `BEGIN IMMEDIATE`, record
-//! `(consumer, message id)` in the inbox (a duplicate: skip), run the
-//! handler guarded (error, panic, timeout: roll back), commit — and only
-//! then is the message acknowledged:
+//! reply, written through the open transaction it is given (SQLite or
+//! PostgreSQL alike, see [`crate::db`]). Around it, the inbox transaction is
+//! always the same ([`ModuleDb::receive_once`](crate::db::ModuleDb::receive_once):
+//! on SQLite `outbox-sqlite`'s `SqliteOutbox::receive_once`) — begin,
+//! record `(consumer, message id)` in the inbox (a duplicate: skip), run
+//! the handler guarded (error, panic, timeout: roll back), commit — and
+//! only then is the message acknowledged:
 //!
 //! * [`EmbeddedBus`] (the default) runs it in-process in [`receive`] and
 //!   answers the sending relay `Delivered` only after the commit;
-//! * with RabbitMQ, [`AmqpInbox`] hands the same handler to the library's
-//!   `RabbitConsumer`, which runs the same transaction and acks after the
-//!   commit.
+//! * with RabbitMQ on SQLite, [`AmqpInbox`] hands the same handler to the
+//!   library's `RabbitConsumer`, which runs the same transaction and acks
+//!   after the commit; on PostgreSQL, [`crate::pg_consumer`] does (the
+//!   library's consumer has a SQLite inbox only).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,16 +24,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox::rabbitmq::{InboxHandler, Received};
-use outbox::sqlite::InboxOutcome;
 use outbox::sqlite::sqlx::SqliteConnection;
+use outbox::sqlite::{InboxOutcome, SqliteOutbox};
 use outbox::{HandlerError, Message, MessageId, Outcome, Transport};
 
-use crate::db::ModuleDb;
+use crate::db::{Conn, ModuleDb};
 
 /// A module that receives integration messages through its inbox.
 #[async_trait]
 pub trait InboxModule: Send + Sync + fmt::Debug + 'static {
-    /// The module's database (its pool runs the inbox transaction).
+    /// The module's database (it runs the inbox transaction).
     fn db(&self) -> &ModuleDb;
 
     /// The message types it subscribes to.
@@ -43,7 +45,7 @@ pub trait InboxModule: Send + Sync + fmt::Debug + 'static {
         &self,
         message_type: &str,
         payload: &[u8],
-        tx: &mut SqliteConnection,
+        tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError>;
 }
 
@@ -54,18 +56,17 @@ pub trait InboxModule: Send + Sync + fmt::Debug + 'static {
 pub const HANDLER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Receives one message with the inbox, in one transaction on the
-/// receiver's database (`outbox-sqlite`'s inbox transaction: a duplicate
-/// skips the handler; a handler error, panic or timeout rolls back);
-/// returns after the commit.
+/// receiver's database (a duplicate skips the handler; a handler error,
+/// panic or timeout rolls back); returns after the commit.
 pub async fn receive(
     module: &dyn InboxModule,
     id: MessageId,
     message_type: &str,
     payload: &[u8],
 ) -> InboxOutcome {
-    let db = module.db();
-    db.outbox
-        .receive_once(&db.pool, db.name, id, HANDLER_TIMEOUT, async |tx| {
+    module
+        .db()
+        .receive_once(id, HANDLER_TIMEOUT, async |tx| {
             module.handle(message_type, payload, tx).await
         })
         .await
@@ -132,15 +133,27 @@ impl Transport for EmbeddedBus {
     }
 }
 
-/// A module's inbox handler as a `RabbitConsumer` handler: the consumer
-/// runs the inbox transaction, this runs [`InboxModule::handle`] in it.
+/// A module's inbox handler as a `RabbitConsumer` handler (SQLite): the
+/// consumer runs the inbox transaction, this runs [`InboxModule::handle`]
+/// in it, with the module's outbox for its replies.
 #[derive(Debug)]
-pub struct AmqpInbox(pub Arc<dyn InboxModule>);
+pub struct AmqpInbox {
+    /// The receiving module.
+    pub module: Arc<dyn InboxModule>,
+    /// Its SQLite outbox.
+    pub outbox: SqliteOutbox,
+}
 
 #[async_trait]
 impl InboxHandler for AmqpInbox {
     async fn handle(&self, msg: &Received, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
         let message_type = msg.message_type.as_deref().unwrap_or_default();
-        self.0.handle(message_type, &msg.payload, tx).await
+        self.module
+            .handle(
+                message_type,
+                &msg.payload,
+                &mut Conn::Sqlite(tx, &self.outbox),
+            )
+            .await
     }
 }

@@ -1,7 +1,8 @@
 //! # MiniShop — the outbox-rs demo
 //!
-//! Two modules, each with its own SQLite database and outbox, and one saga
-//! between them:
+//! Two modules, each with its own database and outbox — a SQLite file each,
+//! or a PostgreSQL schema each with `--postgres URL` — and one saga between
+//! them:
 //!
 //! 1. **Ordering** (`ordering.db`) places an order: the `orders` row and an
 //!    `OrderPlaced` integration message commit in one transaction.
@@ -22,6 +23,7 @@
 //! cargo run --release -p minishop -- --orders 200         # load run + summary
 //! cargo run --release -p minishop                         # HTTP API on 127.0.0.1:8080
 //! cargo run --release -p minishop -- --amqp amqp://guest:guest@127.0.0.1:5672/%2f --orders 200
+//! cargo run --release -p minishop -- --postgres postgres://postgres@127.0.0.1:5432/test --orders 200
 //! ```
 
 mod amqp;
@@ -33,17 +35,19 @@ mod inbox;
 mod load;
 mod messages;
 mod ordering;
+mod pg_consumer;
 mod shop;
 mod warehouse;
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 
-use crate::fail::{Context, Fail};
+use crate::db::Location;
+use crate::fail::Fail;
 use crate::load::LoadOptions;
 use crate::shop::{Bus, Shop};
 
@@ -54,11 +58,19 @@ use crate::shop::{Bus, Shop};
 #[derive(Debug, Parser)]
 #[command(name = "minishop", version)]
 struct Args {
-    /// Where the two databases live (ordering.db, warehouse.db).
+    /// Where the two SQLite databases live (ordering.db, warehouse.db).
+    /// Not used with --postgres.
     #[arg(long, value_name = "DIR", default_value = "./minishop-data")]
     data_dir: PathBuf,
 
-    /// Delete the shop's databases in the data dir first.
+    /// Run both modules on PostgreSQL at URL instead of SQLite, a schema
+    /// each (`ordering`, `warehouse`), e.g.
+    /// postgres://postgres@127.0.0.1:5432/test. The password is never printed.
+    #[arg(long, value_name = "URL")]
+    postgres: Option<String>,
+
+    /// Delete the shop's data first: its two databases in the data dir, or
+    /// (with --postgres) its two schemas.
     #[arg(long)]
     fresh: bool,
 
@@ -72,8 +84,9 @@ struct Args {
     )]
     amqp: Option<String>,
 
-    /// With --amqp: use queue and exchange names unique to this run (deleted
-    /// at exit), so that parallel runs do not share them.
+    /// With --amqp and/or --postgres: use queue and exchange names and
+    /// PostgreSQL schemas unique to this run (deleted at exit), so that
+    /// parallel runs do not share them.
     #[arg(long)]
     isolated: bool,
 
@@ -127,30 +140,11 @@ fn parse_rate(text: &str) -> Result<f64, String> {
     }
 }
 
-/// Removes the shop's own files only (never the whole directory: it may be
-/// anything the user pointed at).
-fn remove_databases(dir: &Path) -> Result<(), Fail> {
-    for name in ["ordering", "warehouse"] {
-        for ext in ["db", "db-wal", "db-shm", "db-journal"] {
-            let path = dir.join(format!("{name}.{ext}"));
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => {
-                    return Err(Fail(format!(
-                        "--fresh: cannot remove `{}`: {e}",
-                        path.display()
-                    )));
-                }
-            }
-        }
-    }
-    Ok(())
-}
-
 async fn run(args: Args) -> Result<(), Fail> {
-    if args.isolated && args.amqp.is_none() {
-        return Err(Fail("--isolated needs --amqp (or OUTBOX_AMQP_URL)".into()));
+    if args.isolated && args.amqp.is_none() && args.postgres.is_none() {
+        return Err(Fail(
+            "--isolated needs --amqp (or OUTBOX_AMQP_URL) or --postgres".into(),
+        ));
     }
     if args.rate.is_some() && args.orders.is_none() {
         return Err(Fail("--rate needs --orders".into()));
@@ -164,21 +158,36 @@ async fn run(args: Args) -> Result<(), Fail> {
             isolated: args.isolated,
         },
     };
-    let dir = &args.data_dir;
-    if args.fresh {
-        remove_databases(dir)?;
+    let location = match &args.postgres {
+        None => Location::Sqlite {
+            dir: args.data_dir.clone(),
+        },
+        Some(url) => Location::postgres(url, args.isolated)?,
+    };
+    location.prepare(args.fresh).await?;
+    let isolated_pg = args.isolated && args.postgres.is_some();
+    let started = Shop::start(&location, bus).await;
+    let result = match started {
+        Ok(shop) => {
+            eprintln!(
+                "MiniShop: {}, messages through {}",
+                location.describe(),
+                shop.bus_description
+            );
+            serve_or_load(shop, &args).await
+        }
+        Err(e) => Err(e),
+    };
+    if isolated_pg {
+        if let Err(e) = location.drop_schemas("--isolated").await {
+            tracing::warn!("could not drop this run's schemas: {e}");
+        }
     }
-    std::fs::create_dir_all(dir).context(format!(
-        "cannot create the data directory `{}`",
-        dir.display()
-    ))?;
+    result
+}
 
-    let shop = Shop::start(dir, bus).await?;
-    eprintln!(
-        "MiniShop: data in `{}`, messages through {}",
-        dir.display(),
-        shop.bus_description
-    );
+/// Runs the load (`--orders`) or the HTTP API until Ctrl-C.
+async fn serve_or_load(shop: Shop, args: &Args) -> Result<(), Fail> {
     match args.orders {
         Some(orders) => {
             let opts = LoadOptions {

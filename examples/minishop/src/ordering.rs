@@ -1,24 +1,24 @@
-//! The Ordering module (`ordering.db`): places orders, follows the
-//! warehouse's answers, and confirms or cancels.
+//! The Ordering module (`ordering.db`, or schema `ordering` on PostgreSQL):
+//! places orders, follows the warehouse's answers, and confirms or cancels.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use hdrhistogram::Histogram;
-use outbox::sqlite::sqlx::{self, Row, SqliteConnection};
+use outbox::sqlite::sqlx::{self, Row};
 use outbox::{HandlerError, Handlers, MessageContext, NewMessage, OutboxMessage};
 use serde::Serialize;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-use crate::db::{ModuleDb, now_ms};
+use crate::db::{Conn, Ddl, Location, ModuleDb, now_ms};
 use crate::fail::Fail;
 use crate::inbox::InboxModule;
 use crate::messages::{OrderConfirmed, OrderPlaced, StockRejected, StockReserved, order_key};
+use crate::{with_conn, with_pool};
 
 /// What the shop sells and at what price (cents). The warehouse keeps the
 /// stock; Ordering only knows the catalogue.
@@ -32,7 +32,11 @@ pub const CATALOGUE: &[(&str, i64)] = &[
 /// Largest quantity one order may ask for.
 pub const MAX_QTY: u32 = 1_000;
 
-const SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS orders (
+/// The `orders` table. The dialects differ in the id's collation only:
+/// ids are UUID v7 text, and `saga_counts` selects a run by id range, which
+/// needs byte order (SQLite's default; PostgreSQL's is the locale's).
+const DDL: Ddl = Ddl {
+    sqlite: &["CREATE TABLE IF NOT EXISTS orders (
         id           TEXT    PRIMARY KEY, -- UUID v7: unique across runs, ordered by time
         customer     TEXT    NOT NULL,
         sku          TEXT    NOT NULL,
@@ -44,7 +48,21 @@ const SCHEMA: &[&str] = &["CREATE TABLE IF NOT EXISTS orders (
         created_at   INTEGER NOT NULL,
         decided_at   INTEGER,
         confirmed_at INTEGER
-    )"];
+    )"],
+    postgres: &[r#"CREATE TABLE IF NOT EXISTS orders (
+        id           TEXT    COLLATE "C" PRIMARY KEY, -- UUID v7: unique across runs, ordered by time
+        customer     TEXT    NOT NULL,
+        sku          TEXT    NOT NULL,
+        qty          BIGINT  NOT NULL,
+        total_cents  BIGINT  NOT NULL,
+        status       TEXT    NOT NULL DEFAULT 'pending'
+                     CHECK (status IN ('pending', 'confirmed', 'cancelled')),
+        reason       TEXT,
+        created_at   BIGINT  NOT NULL,
+        decided_at   BIGINT,
+        confirmed_at BIGINT
+    )"#],
+};
 
 /// A request that cannot become an order.
 #[derive(Debug, PartialEq, Eq)]
@@ -204,9 +222,9 @@ pub struct Ordering {
 }
 
 impl Ordering {
-    /// Opens `ordering.db` in `dir`.
-    pub async fn open(dir: &Path) -> Result<Arc<Self>, Fail> {
-        let db = ModuleDb::open(dir, "ordering", SCHEMA).await?;
+    /// Opens the module's database at `location`.
+    pub async fn open(location: &Location) -> Result<Arc<Self>, Fail> {
+        let db = ModuleDb::open(location, "ordering", DDL).await?;
         Ok(Arc::new(Ordering {
             db,
             latency: Latency::default(),
@@ -258,23 +276,24 @@ impl Ordering {
             |what: &str, e: &dyn std::fmt::Display| PlaceError::Store(format!("{what}: {e}"));
         let mut tx = self
             .db
-            .pool
-            .begin_with("BEGIN IMMEDIATE")
+            .begin()
             .await
             .map_err(|e| store("beginning the order transaction", &e))?;
+        let mut conn = tx.conn();
         let order_id = Uuid::now_v7();
-        sqlx::query(
+        with_conn!(&mut conn, |c| sqlx::query(
             "INSERT INTO orders (id, customer, sku, qty, total_cents, status, created_at)
-             VALUES (?, ?, ?, ?, ?, 'pending', ?)",
+             VALUES ($1, $2, $3, $4, $5, 'pending', $6)",
         )
         .bind(order_id.to_string())
         .bind(customer)
         .bind(sku)
-        .bind(qty)
+        .bind(i64::from(qty))
         .bind(total_cents)
         .bind(now_ms())
-        .execute(&mut *tx)
+        .execute(c)
         .await
+        .map(|_| ()))
         .map_err(|e| store("inserting the order", &e))?;
         let event = OrderPlaced {
             order_id,
@@ -286,9 +305,7 @@ impl Ordering {
         let message = NewMessage::integration(&event)
             .map_err(|e| store("encoding OrderPlaced", &e))?
             .key(order_key(order_id));
-        self.db
-            .outbox
-            .enqueue(&mut *tx, message)
+        conn.enqueue(message)
             .await
             .map_err(|e| store("enqueuing OrderPlaced", &e))?;
         tx.commit()
@@ -303,45 +320,58 @@ impl Ordering {
 
     /// One order, if it exists.
     pub async fn get_order(&self, id: Uuid) -> Result<Option<OrderView>, String> {
-        let row = sqlx::query(
-            "SELECT id, customer, sku, qty, total_cents, status, reason, created_at, decided_at, confirmed_at
-             FROM orders WHERE id = ?",
-        )
-        .bind(id.to_string())
-        .fetch_optional(&self.db.pool)
-        .await
+        const SQL: &str = "SELECT id, customer, sku, qty, total_cents, status, reason, created_at, decided_at, confirmed_at
+             FROM orders WHERE id = $1";
+        let view = with_pool!(self.db.pool(), |p| sqlx::query(SQL)
+            .bind(id.to_string())
+            .fetch_optional(p)
+            .await
+            .and_then(|row| {
+                row.map(|r| {
+                    Ok(OrderView {
+                        id: r.try_get(0)?,
+                        customer: r.try_get(1)?,
+                        sku: r.try_get(2)?,
+                        qty: u32::try_from(r.try_get::<i64, _>(3)?).unwrap_or(u32::MAX),
+                        total_cents: r.try_get(4)?,
+                        status: r.try_get(5)?,
+                        reason: r.try_get(6)?,
+                        created_at: r.try_get(7)?,
+                        decided_at: r.try_get(8)?,
+                        confirmed_at: r.try_get(9)?,
+                    })
+                })
+                .transpose()
+            }))
         .map_err(|e| format!("reading order {id}: {e}"))?;
-        Ok(row.map(|r| OrderView {
-            id: r.get(0),
-            customer: r.get(1),
-            sku: r.get(2),
-            qty: r.get(3),
-            total_cents: r.get(4),
-            status: r.get(5),
-            reason: r.get(6),
-            created_at: r.get(7),
-            decided_at: r.get(8),
-            confirmed_at: r.get(9),
-        }))
+        Ok(view)
     }
 
     /// How the sagas of orders `first..=last` stand (committed state; ids
     /// are UUID v7, so the range is the orders placed in between).
     pub async fn saga_counts(&self, first: Uuid, last: Uuid) -> Result<SagaCounts, String> {
-        let r = sqlx::query(
-            "SELECT COUNT(*),
-                    COALESCE(SUM(status = 'pending'), 0),
-                    COALESCE(SUM(status = 'confirmed'), 0),
-                    COALESCE(SUM(status = 'confirmed' AND confirmed_at IS NOT NULL), 0),
-                    COALESCE(SUM(status = 'cancelled'), 0)
-             FROM orders WHERE id BETWEEN ? AND ?",
-        )
-        .bind(first.to_string())
-        .bind(last.to_string())
-        .fetch_one(&self.db.pool)
-        .await
+        const SQL: &str = "SELECT COUNT(*),
+                    COUNT(CASE WHEN status = 'pending' THEN 1 END),
+                    COUNT(CASE WHEN status = 'confirmed' THEN 1 END),
+                    COUNT(CASE WHEN status = 'confirmed' AND confirmed_at IS NOT NULL THEN 1 END),
+                    COUNT(CASE WHEN status = 'cancelled' THEN 1 END)
+             FROM orders WHERE id BETWEEN $1 AND $2";
+        let counts: [i64; 5] = with_pool!(self.db.pool(), |p| sqlx::query(SQL)
+            .bind(first.to_string())
+            .bind(last.to_string())
+            .fetch_one(p)
+            .await
+            .and_then(|r| {
+                Ok([
+                    r.try_get(0)?,
+                    r.try_get(1)?,
+                    r.try_get(2)?,
+                    r.try_get(3)?,
+                    r.try_get(4)?,
+                ])
+            }))
         .map_err(|e| format!("counting orders: {e}"))?;
-        let n = |i: usize| u64::try_from(r.get::<i64, _>(i)).unwrap_or(0);
+        let n = |i: usize| u64::try_from(counts[i]).unwrap_or(0);
         Ok(SagaCounts {
             total: n(0),
             pending: n(1),
@@ -363,13 +393,15 @@ impl Ordering {
     /// The saga's last step: records when the confirmation was handled
     /// (idempotent: a redelivery changes nothing and is not counted twice).
     async fn on_order_confirmed(&self, e: OrderConfirmed) -> Result<(), HandlerError> {
-        let done =
-            sqlx::query("UPDATE orders SET confirmed_at = ? WHERE id = ? AND confirmed_at IS NULL")
-                .bind(now_ms())
-                .bind(e.order_id.to_string())
-                .execute(&self.db.pool)
-                .await?;
-        if done.rows_affected() == 1 {
+        const SQL: &str =
+            "UPDATE orders SET confirmed_at = $1 WHERE id = $2 AND confirmed_at IS NULL";
+        let done = with_pool!(self.db.pool(), |p| sqlx::query(SQL)
+            .bind(now_ms())
+            .bind(e.order_id.to_string())
+            .execute(p)
+            .await
+            .map(|r| r.rows_affected()))?;
+        if done == 1 {
             self.latency
                 .record(e.order_id, Event::Handled(Instant::now()));
             tracing::debug!(order = %e.order_id, "order confirmed");
@@ -381,16 +413,19 @@ impl Ordering {
     async fn on_stock_reserved(
         &self,
         e: StockReserved,
-        tx: &mut SqliteConnection,
+        tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError> {
-        let changed = sqlx::query(
-            "UPDATE orders SET status = 'confirmed', decided_at = ? WHERE id = ? AND status = 'pending'",
+        let changed = with_conn!(tx, |c| {
+            sqlx::query(
+            "UPDATE orders SET status = 'confirmed', decided_at = $1 WHERE id = $2 AND status = 'pending'",
         )
         .bind(now_ms())
         .bind(e.order_id.to_string())
-        .execute(&mut *tx)
-        .await?;
-        if changed.rows_affected() == 0 {
+        .execute(c)
+        .await
+        .map(|r| r.rows_affected())
+        })?;
+        if changed == 0 {
             tracing::warn!(order = %e.order_id, "StockReserved for an order that is not pending; ignored");
             return Ok(());
         }
@@ -398,25 +433,26 @@ impl Ordering {
             order_id: e.order_id,
         };
         let message = NewMessage::domain(&confirmed)?.key(order_key(e.order_id));
-        self.db.outbox.enqueue(&mut *tx, message).await?;
+        tx.enqueue(message).await?;
         Ok(())
     }
 
     async fn on_stock_rejected(
         &self,
         e: StockRejected,
-        tx: &mut SqliteConnection,
+        tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError> {
-        let changed = sqlx::query(
-            "UPDATE orders SET status = 'cancelled', reason = ?, decided_at = ?
-             WHERE id = ? AND status = 'pending'",
+        let changed = with_conn!(tx, |c| sqlx::query(
+            "UPDATE orders SET status = 'cancelled', reason = $1, decided_at = $2
+             WHERE id = $3 AND status = 'pending'",
         )
         .bind(&e.reason)
         .bind(now_ms())
         .bind(e.order_id.to_string())
-        .execute(&mut *tx)
-        .await?;
-        if changed.rows_affected() == 0 {
+        .execute(c)
+        .await
+        .map(|r| r.rows_affected()))?;
+        if changed == 0 {
             tracing::warn!(order = %e.order_id, "StockRejected for an order that is not pending; ignored");
         }
         self.latency.forget(e.order_id);
@@ -439,7 +475,7 @@ impl InboxModule for Ordering {
         &self,
         message_type: &str,
         payload: &[u8],
-        tx: &mut SqliteConnection,
+        tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError> {
         match message_type {
             StockReserved::MESSAGE_TYPE => {

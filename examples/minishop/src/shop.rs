@@ -1,13 +1,12 @@
 //! The running shop: both modules, their relays, and the bus between them.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox::rabbitmq::ConsumerHandle;
 use outbox::{HealthStatus, Relay, RelayHandle, Store};
 
-use crate::amqp::{self, AmqpNames};
+use crate::amqp::{self, AmqpNames, Consumer};
+use crate::db::Location;
 use crate::fail::{Context, Fail};
 use crate::health::{ShopHealth, combine};
 use crate::inbox::{EmbeddedBus, InboxModule};
@@ -41,7 +40,7 @@ pub struct Shop {
     pub ordering_relay: RelayHandle,
     /// Warehouse's relay (`StockReserved` / `StockRejected` out).
     pub warehouse_relay: RelayHandle,
-    consumers: Vec<ConsumerHandle>,
+    consumers: Vec<Consumer>,
     amqp: Option<(String, AmqpNames)>,
     /// `embedded` or `rabbitmq`.
     pub bus_name: &'static str,
@@ -50,14 +49,17 @@ pub struct Shop {
 }
 
 impl Shop {
-    /// Opens both databases in `dir` and starts relays (and consumers).
-    pub async fn start(dir: &Path, bus: Bus) -> Result<Shop, Fail> {
-        let ordering = Ordering::open(dir).await?;
-        let warehouse = Warehouse::open(dir).await?;
+    /// Opens both modules' databases at `location` and starts relays (and
+    /// consumers).
+    pub async fn start(location: &Location, bus: Bus) -> Result<Shop, Fail> {
+        let ordering = Ordering::open(location).await?;
+        let warehouse = Warehouse::open(location).await?;
         let ordering_inbox: Arc<dyn InboxModule> = ordering.clone();
         let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
-        let relay = |store, name: &str| {
-            Relay::builder(store)
+        let relay = |store: Arc<dyn Store>, name: &str| {
+            // On PostgreSQL the store's listener LISTENs for other
+            // processes' commits; commits in this process wake it at once.
+            Relay::builder_shared(store)
                 // Stable across restarts: a restarted MiniShop takes back
                 // the leases of the process before it at once.
                 .worker_id(format!("minishop-{name}"))
@@ -74,13 +76,13 @@ impl Shop {
                 let bus: Arc<dyn outbox::Transport> =
                     Arc::new(EmbeddedBus::new(&[ordering_inbox, warehouse_inbox]));
                 let ordering_relay = spawn(
-                    relay(ordering.database().store.clone(), "ordering")
+                    relay(ordering.database().store(), "ordering")
                         .transport_shared(Arc::clone(&bus))
                         .dispatcher(ordering.handlers()),
                     "ordering",
                 )?;
                 let warehouse_relay = spawn(
-                    relay(warehouse.database().store.clone(), "warehouse").transport_shared(bus),
+                    relay(warehouse.database().store(), "warehouse").transport_shared(bus),
                     "warehouse",
                 )?;
                 Ok(Shop {
@@ -107,17 +109,21 @@ impl Shop {
                     .context("declaring the RabbitMQ topology")?;
                 let warehouse_out = amqp::transport(&url, &names, "warehouse").await?;
                 let mut consumers = Vec::new();
-                consumers
-                    .push(amqp::consumer(&url, &names.warehouse_queue, warehouse_inbox).await?);
-                consumers.push(amqp::consumer(&url, &names.ordering_queue, ordering_inbox).await?);
+                consumers.push(
+                    amqp::consumer(&url, &redacted, &names.warehouse_queue, warehouse_inbox)
+                        .await?,
+                );
+                consumers.push(
+                    amqp::consumer(&url, &redacted, &names.ordering_queue, ordering_inbox).await?,
+                );
                 let ordering_relay = spawn(
-                    relay(ordering.database().store.clone(), "ordering")
+                    relay(ordering.database().store(), "ordering")
                         .transport(ordering_out)
                         .dispatcher(ordering.handlers()),
                     "ordering",
                 )?;
                 let warehouse_relay = spawn(
-                    relay(warehouse.database().store.clone(), "warehouse").transport(warehouse_out),
+                    relay(warehouse.database().store(), "warehouse").transport(warehouse_out),
                     "warehouse",
                 )?;
                 let bus_description = format!(
@@ -167,15 +173,15 @@ impl Shop {
     /// is stuck" after a timeout).
     pub async fn describe(&self) -> Vec<String> {
         let mut lines = Vec::new();
-        let parts: [(&str, &dyn Store, &RelayHandle); 2] = [
+        let parts: [(&str, Arc<dyn Store>, &RelayHandle); 2] = [
             (
                 "ordering",
-                &self.ordering.database().store,
+                self.ordering.database().store(),
                 &self.ordering_relay,
             ),
             (
                 "warehouse",
-                &self.warehouse.database().store,
+                self.warehouse.database().store(),
                 &self.warehouse_relay,
             ),
         ];
@@ -207,17 +213,7 @@ impl Shop {
             ));
         }
         for c in &self.consumers {
-            let s = c.stats();
-            lines.push(format!(
-                "consumer of `{}`: {}, handled {}, duplicates {}, retried {}, dead-lettered {}, store errors {}",
-                c.queue(),
-                if c.is_connected() { "connected" } else { "NOT connected" },
-                s.handled,
-                s.duplicates,
-                s.retried,
-                s.dead_lettered,
-                s.store_errors
-            ));
+            lines.push(c.describe());
         }
         lines
     }
@@ -243,7 +239,7 @@ impl Shop {
                 amqp::delete_isolated(url, names).await;
             }
         }
-        self.ordering.database().pool.close().await;
-        self.warehouse.database().pool.close().await;
+        self.ordering.database().close().await;
+        self.warehouse.database().close().await;
     }
 }

@@ -1,17 +1,18 @@
-//! The Warehouse module (`warehouse.db`): reserves stock for placed orders
-//! and answers `StockReserved` or `StockRejected`.
+//! The Warehouse module (`warehouse.db`, or schema `warehouse` on
+//! PostgreSQL): reserves stock for placed orders and answers
+//! `StockReserved` or `StockRejected`.
 
-use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox::sqlite::sqlx::{self, SqliteConnection};
+use outbox::sqlite::sqlx;
 use outbox::{HandlerError, NewMessage, OutboxMessage};
 
-use crate::db::{ModuleDb, now_ms};
+use crate::db::{Conn, Ddl, Location, ModuleDb, now_ms};
 use crate::fail::Fail;
 use crate::inbox::InboxModule;
 use crate::messages::{OrderPlaced, StockRejected, StockReserved, order_key};
+use crate::{with_conn, with_pool};
 
 /// Stock a new warehouse starts with: plenty of fruit, few teapots and
 /// golden tickets — so a run both confirms and cancels orders.
@@ -22,18 +23,33 @@ pub const INITIAL_STOCK: &[(&str, i64)] = &[
     ("golden-ticket", 10),
 ];
 
-const SCHEMA: &[&str] = &[
-    "CREATE TABLE IF NOT EXISTS stock (
-        sku       TEXT PRIMARY KEY,
-        available INTEGER NOT NULL CHECK (available >= 0)
-    )",
-    "CREATE TABLE IF NOT EXISTS reservations (
-        order_id    TEXT    PRIMARY KEY,
-        sku         TEXT    NOT NULL,
-        qty         INTEGER NOT NULL,
-        reserved_at INTEGER NOT NULL
-    )",
-];
+/// The warehouse's tables; the dialects differ in the integer types only.
+const DDL: Ddl = Ddl {
+    sqlite: &[
+        "CREATE TABLE IF NOT EXISTS stock (
+            sku       TEXT PRIMARY KEY,
+            available INTEGER NOT NULL CHECK (available >= 0)
+        )",
+        "CREATE TABLE IF NOT EXISTS reservations (
+            order_id    TEXT    PRIMARY KEY,
+            sku         TEXT    NOT NULL,
+            qty         INTEGER NOT NULL,
+            reserved_at INTEGER NOT NULL
+        )",
+    ],
+    postgres: &[
+        "CREATE TABLE IF NOT EXISTS stock (
+            sku       TEXT PRIMARY KEY,
+            available BIGINT NOT NULL CHECK (available >= 0)
+        )",
+        "CREATE TABLE IF NOT EXISTS reservations (
+            order_id    TEXT    PRIMARY KEY,
+            sku         TEXT    NOT NULL,
+            qty         BIGINT  NOT NULL,
+            reserved_at BIGINT  NOT NULL
+        )",
+    ],
+};
 
 /// The Warehouse module.
 #[derive(Debug)]
@@ -42,16 +58,20 @@ pub struct Warehouse {
 }
 
 impl Warehouse {
-    /// Opens `warehouse.db` in `dir`; a new database gets [`INITIAL_STOCK`].
-    pub async fn open(dir: &Path) -> Result<Arc<Self>, Fail> {
-        let db = ModuleDb::open(dir, "warehouse", SCHEMA).await?;
+    /// Opens the module's database at `location`; a new database gets
+    /// [`INITIAL_STOCK`].
+    pub async fn open(location: &Location) -> Result<Arc<Self>, Fail> {
+        let db = ModuleDb::open(location, "warehouse", DDL).await?;
         for (sku, qty) in INITIAL_STOCK {
-            sqlx::query("INSERT OR IGNORE INTO stock (sku, available) VALUES (?, ?)")
-                .bind(*sku)
-                .bind(*qty)
-                .execute(&db.pool)
-                .await
-                .map_err(|e| Fail(format!("stocking the warehouse: {e}")))?;
+            with_pool!(db.pool(), |p| sqlx::query(
+                "INSERT INTO stock (sku, available) VALUES ($1, $2) ON CONFLICT (sku) DO NOTHING"
+            )
+            .bind(*sku)
+            .bind(*qty)
+            .execute(p)
+            .await
+            .map(|_| ()))
+            .map_err(|e| Fail(format!("stocking the warehouse: {e}")))?;
         }
         Ok(Arc::new(Warehouse { db }))
     }
@@ -64,41 +84,42 @@ impl Warehouse {
     /// Reserves the order's stock if there is enough, and answers — the
     /// stock change, the reservation and the answer commit together with
     /// the inbox row.
-    async fn on_order_placed(
-        &self,
-        e: OrderPlaced,
-        tx: &mut SqliteConnection,
-    ) -> Result<(), HandlerError> {
-        let reserved = sqlx::query(
-            "UPDATE stock SET available = available - ?1 WHERE sku = ?2 AND available >= ?1",
+    async fn on_order_placed(&self, e: OrderPlaced, tx: &mut Conn<'_>) -> Result<(), HandlerError> {
+        let qty = i64::from(e.qty);
+        let reserved = with_conn!(tx, |c| sqlx::query(
+            "UPDATE stock SET available = available - $1 WHERE sku = $2 AND available >= $1",
         )
-        .bind(e.qty)
+        .bind(qty)
         .bind(&e.sku)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected()
+        .execute(c)
+        .await
+        .map(|r| r.rows_affected()))?
             == 1;
         let answer = if reserved {
-            sqlx::query(
-                "INSERT INTO reservations (order_id, sku, qty, reserved_at) VALUES (?, ?, ?, ?)",
+            with_conn!(tx, |c| {
+                sqlx::query(
+                "INSERT INTO reservations (order_id, sku, qty, reserved_at) VALUES ($1, $2, $3, $4)",
             )
             .bind(e.order_id.to_string())
             .bind(&e.sku)
-            .bind(e.qty)
+            .bind(qty)
             .bind(now_ms())
-            .execute(&mut *tx)
-            .await?;
+            .execute(c)
+            .await
+            .map(|_| ())
+            })?;
             NewMessage::integration(&StockReserved {
                 order_id: e.order_id,
                 sku: e.sku,
                 qty: e.qty,
             })?
         } else {
-            let available: Option<i64> =
-                sqlx::query_scalar("SELECT available FROM stock WHERE sku = ?")
-                    .bind(&e.sku)
-                    .fetch_optional(&mut *tx)
-                    .await?;
+            let available: Option<i64> = with_conn!(tx, |c| sqlx::query_scalar(
+                "SELECT available FROM stock WHERE sku = $1"
+            )
+            .bind(&e.sku)
+            .fetch_optional(c)
+            .await)?;
             let reason = match available {
                 None => format!("unknown sku `{}`", e.sku),
                 Some(n) => format!("only {n} {} left, {} asked", e.sku, e.qty),
@@ -110,10 +131,7 @@ impl Warehouse {
                 reason,
             })?
         };
-        self.db
-            .outbox
-            .enqueue(&mut *tx, answer.key(order_key(e.order_id)))
-            .await?;
+        tx.enqueue(answer.key(order_key(e.order_id))).await?;
         Ok(())
     }
 }
@@ -132,7 +150,7 @@ impl InboxModule for Warehouse {
         &self,
         message_type: &str,
         payload: &[u8],
-        tx: &mut SqliteConnection,
+        tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError> {
         match message_type {
             OrderPlaced::MESSAGE_TYPE => {

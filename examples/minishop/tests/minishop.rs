@@ -1,10 +1,12 @@
-//! End-to-end tests of the `minishop` binary: load runs on the embedded bus
-//! and on RabbitMQ, the HTTP API, and bad input.
+//! End-to-end tests of the `minishop` binary: load runs on SQLite and on
+//! PostgreSQL, over the embedded bus and RabbitMQ, the HTTP API, and bad
+//! input.
 //!
-//! The RabbitMQ test needs a broker: `OUTBOX_AMQP_URL` if set, else the
+//! The RabbitMQ tests need a broker: `OUTBOX_AMQP_URL` if set, else the
 //! local default (`amqp://guest:guest@127.0.0.1:5672/%2f`) if it answers;
-//! otherwise it fails saying how to provide one.
-//! Without it that test fails (it is never skipped).
+//! the PostgreSQL tests a database: `OUTBOX_PG_URL`, else
+//! `postgres://postgres@127.0.0.1:5432/test` if it answers. Otherwise those
+//! tests fail saying how to provide one (they are never skipped).
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -147,6 +149,96 @@ fn two_hundred_orders_through_rabbitmq() {
         assert!(!f.stdout.contains(&format!(":{pw}@")), "password printed");
         assert!(!f.stderr.contains(&format!(":{pw}@")), "password printed");
     }
+}
+
+/// The schemas a run named in its banner (`… (schemas `a`, `b`), …`).
+fn schemas_of(stderr: &str) -> Vec<String> {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("data in PostgreSQL"))
+        .unwrap_or_else(|| panic!("no PostgreSQL banner in:\n{stderr}"));
+    let list = line
+        .split_once("(schemas ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(list, _)| list)
+        .unwrap_or_else(|| panic!("no schemas in: {line}"));
+    list.split(", ")
+        .map(|s| s.trim_matches('`').to_owned())
+        .collect()
+}
+
+/// Which of `schemas` exist in the database at `url`.
+fn existing_schemas(url: &str, schemas: &[String]) -> Vec<String> {
+    use outbox::postgres::sqlx::{self, Connection as _};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut conn = sqlx::PgConnection::connect(url)
+            .await
+            .expect("connect to PostgreSQL");
+        let found = sqlx::query_scalar(
+            "SELECT nspname::text FROM pg_namespace WHERE nspname = ANY($1) ORDER BY 1",
+        )
+        .bind(schemas)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        let _ = conn.close().await;
+        found
+    })
+}
+
+/// A load run on PostgreSQL in schemas of its own (`--isolated`), which
+/// are gone after it.
+fn postgres_load_run(extra: &[&str]) -> Finished {
+    let url = outbox_api::testing::service_url(outbox_api::testing::Service::Postgres);
+    let dir = tempfile::tempdir().unwrap();
+    let f = run(
+        minishop()
+            .args([
+                "--orders",
+                "200",
+                "--isolated",
+                "--timeout",
+                "60s",
+                "--postgres",
+                &url,
+            ])
+            .args(extra)
+            // Not used on PostgreSQL: nothing may appear in it.
+            .arg("--data-dir")
+            .arg(dir.path().join("unused")),
+        Duration::from_secs(90),
+    );
+    check_load_run(&f, 200);
+    let schemas = schemas_of(&f.stderr);
+    assert_eq!(schemas.len(), 2, "{}", f.stderr);
+    assert!(
+        schemas[0].starts_with("ordering_run_") && schemas[1].starts_with("warehouse_run_"),
+        "{schemas:?}"
+    );
+    assert_eq!(
+        existing_schemas(&url, &schemas),
+        Vec::<String>::new(),
+        "an isolated run drops its schemas"
+    );
+    assert!(!dir.path().join("unused").exists(), "SQLite files made");
+    f
+}
+
+#[test]
+fn two_hundred_orders_on_postgres() {
+    let f = postgres_load_run(&[]);
+    assert!(f.stdout.contains("embedded bus"), "{}", f.stdout);
+}
+
+#[test]
+fn two_hundred_orders_on_postgres_through_rabbitmq() {
+    let amqp = outbox_api::testing::service_url(outbox_api::testing::Service::RabbitMq);
+    let f = postgres_load_run(&["--amqp", &amqp]);
+    assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
 }
 
 fn password(url: &str) -> Option<String> {
@@ -324,6 +416,30 @@ fn bad_input_is_one_line_without_secrets() {
         limit,
     );
     assert_one_line_error(&f, "127.0.0.1:1");
+
+    // PostgreSQL: a URL of another scheme, an unreachable server.
+    let f = run(
+        minishop().args([
+            "--orders",
+            "1",
+            "--postgres",
+            "mysql://shop:secretpw@localhost/shop",
+        ]),
+        limit,
+    );
+    assert_one_line_error(&f, "not a PostgreSQL URL");
+    let f = run(
+        minishop().args([
+            "--orders",
+            "1",
+            "--postgres",
+            "postgres://shop:secretpw@127.0.0.1:1/shop",
+        ]),
+        limit,
+    );
+    assert_one_line_error(&f, "postgres://shop:***@127.0.0.1:1/shop");
+    let f = run(minishop().args(["--orders", "1", "--isolated"]), limit);
+    assert_one_line_error(&f, "--isolated needs");
 
     let file = dir.path().join("a-file");
     std::fs::write(&file, "not a directory").unwrap();

@@ -1,5 +1,5 @@
-//! Finding and opening the outbox table an operator names, without ever
-//! creating or migrating anything.
+//! Opening an outbox table in a SQLite file, without ever creating or
+//! migrating anything.
 //!
 //! [`SqliteStore::open`](outbox_sqlite::SqliteStore) creates a missing file
 //! and switches the database to WAL mode, so before it runs, [`open`]
@@ -11,40 +11,12 @@ use std::path::{Path, PathBuf};
 use outbox_sqlite::SqliteStore;
 use outbox_sqlite::rusqlite::{self, Connection, OpenFlags};
 
+use super::missing_columns;
 use crate::CliError;
 
-/// The columns every outbox table has; a table lacking any is not one.
-const OUTBOX_COLUMNS: &[&str] = &[
-    "seq",
-    "id",
-    "kind",
-    "message_type",
-    "key",
-    "exchange",
-    "routing_key",
-    "payload",
-    "content_type",
-    "headers",
-    "trace_parent",
-    "created_at",
-    "available_at",
-    "attempts",
-    "last_error",
-    "state",
-    "locked_by",
-    "locked_until",
-    "processed_at",
-];
-
-/// Turns `sqlite:PATH` (also `sqlite://PATH`, `sqlite:///abs/path`) into the
-/// file path.
-pub fn parse_database_url(url: &str) -> Result<PathBuf, CliError> {
-    let Some(rest) = url.strip_prefix("sqlite:") else {
-        return Err(CliError::usage(format!(
-            "database `{}` is not a `sqlite:PATH` URL (only SQLite is supported)",
-            url.escape_debug()
-        )));
-    };
+/// Turns what follows `sqlite:` (`PATH`, `//PATH`, `///abs/path`) into the
+/// file path; `url` is the whole value, for errors.
+pub fn parse_path(url: &str, rest: &str) -> Result<PathBuf, CliError> {
     let path = rest.strip_prefix("//").unwrap_or(rest);
     if path.is_empty() {
         return Err(CliError::usage(format!(
@@ -57,28 +29,6 @@ pub fn parse_database_url(url: &str) -> Result<PathBuf, CliError> {
         )));
     }
     Ok(PathBuf::from(path))
-}
-
-/// Checks that `name` is a table name the store accepts:
-/// `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters (clap value parser).
-pub fn parse_table_name(name: &str) -> Result<String, String> {
-    let mut chars = name.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        return Err(format!(
-            "table name `{}` is not an identifier (letters, digits and `_`, not starting with a digit)",
-            name.escape_debug()
-        ));
-    }
-    if name.len() > 63 {
-        return Err(format!(
-            "table name `{name}` is {} characters long; at most 63 are allowed",
-            name.len()
-        ));
-    }
-    Ok(name.to_owned())
 }
 
 /// Opens the outbox table `table` of the existing database at `path`.
@@ -153,11 +103,7 @@ fn check_outbox_table(path: &Path, table: &str) -> Result<(), CliError> {
             "database `{shown}` has no outbox table `{table}`; {hint}"
         )));
     }
-    let missing: Vec<&str> = OUTBOX_COLUMNS
-        .iter()
-        .copied()
-        .filter(|c| !columns.iter().any(|have| have.eq_ignore_ascii_case(c)))
-        .collect();
+    let missing = missing_columns(&columns);
     if !missing.is_empty() {
         return Err(CliError::failed(format!(
             "table `{table}` in `{shown}` is not an outbox table (it lacks the columns {})",
@@ -181,36 +127,4 @@ fn outbox_tables(conn: &Connection) -> rusqlite::Result<Vec<String>> {
         "SELECT table_name FROM outbox_schema_versions WHERE table_kind = 'outbox' ORDER BY table_name",
     )?;
     stmt.query_map([], |r| r.get(0))?.collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn database_urls() {
-        assert_eq!(
-            parse_database_url("sqlite:a.db").unwrap(),
-            PathBuf::from("a.db")
-        );
-        assert_eq!(
-            parse_database_url("sqlite://a.db").unwrap(),
-            PathBuf::from("a.db")
-        );
-        assert_eq!(
-            parse_database_url("sqlite:///x/a.db").unwrap(),
-            PathBuf::from("/x/a.db")
-        );
-        for bad in ["a.db", "postgres://h/db", "sqlite:", "sqlite::memory:"] {
-            assert!(parse_database_url(bad).is_err(), "{bad}");
-        }
-    }
-
-    #[test]
-    fn table_names() {
-        assert!(parse_table_name("orders_outbox").is_ok());
-        for bad in ["", "1x", "a-b", "x; DROP TABLE y", &"a".repeat(64)] {
-            assert!(parse_table_name(bad).is_err(), "{bad}");
-        }
-    }
 }

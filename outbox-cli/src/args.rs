@@ -1,0 +1,261 @@
+//! The command line: global options, subcommands and their arguments.
+
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outbox_api::backend::redact_url;
+use outbox_api::{MessageId, MessageState};
+
+use crate::CliError;
+use crate::db;
+use crate::duration::parse_duration;
+
+/// The `--database` value. Kept as given (it is parsed once the command is
+/// known, so that `health` can report a bad one as unhealthy), and shown
+/// only with its password redacted — `Debug` included.
+#[derive(Clone)]
+pub struct DatabaseUrl(pub String);
+
+impl std::str::FromStr for DatabaseUrl {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(DatabaseUrl(s.to_owned()))
+    }
+}
+
+impl std::fmt::Debug for DatabaseUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DatabaseUrl")
+            .field(&redact_url(&self.0))
+            .finish()
+    }
+}
+
+/// The command line.
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox",
+    version,
+    about = "Inspect and repair an outbox-rs outbox table",
+    long_about = "Inspect and repair an outbox-rs outbox table in an existing SQLite or \
+        PostgreSQL database.\n\n\
+        Exit codes: 0 success, 1 the command failed (missing database, schema or table, \
+        unknown message, wrong state), 2 usage error. `health`: 0 healthy, 1 degraded, \
+        2 unhealthy."
+)]
+pub struct Cli {
+    /// The database: `sqlite:PATH` or `postgres://user:password@host:port/db`
+    /// (also `postgresql://`). Never created or migrated; a password is
+    /// never printed.
+    #[arg(
+        long,
+        global = true,
+        env = "OUTBOX_DATABASE",
+        hide_env_values = true,
+        value_name = "URL"
+    )]
+    pub database: Option<DatabaseUrl>,
+
+    /// PostgreSQL only: the schema holding the outbox table [default: public].
+    #[arg(
+        long,
+        global = true,
+        env = "OUTBOX_SCHEMA",
+        hide_env_values = true,
+        value_name = "NAME"
+    )]
+    pub schema: Option<String>,
+
+    /// The outbox table.
+    #[arg(
+        long,
+        global = true,
+        env = "OUTBOX_TABLE",
+        hide_env_values = true,
+        default_value = "outbox",
+        value_name = "NAME",
+        value_parser = db::parse_table_name
+    )]
+    pub table: String,
+
+    /// Print machine-readable JSON on stdout instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Count pending, poisoned and processed messages; age of the oldest pending one.
+    Stats,
+    /// List messages, oldest first.
+    List(ListArgs),
+    /// Show every field of one message, the payload pretty-printed.
+    Show {
+        /// The message id (a UUID).
+        #[arg(value_parser = parse_id)]
+        id: MessageId,
+    },
+    /// Move poisoned messages back to pending with attempts reset to 0.
+    Retry(RetryArgs),
+    /// Mark a pending or poisoned message processed without delivering it.
+    Discard {
+        /// The message id (a UUID).
+        #[arg(value_parser = parse_id)]
+        id: MessageId,
+        #[command(flatten)]
+        operator: Operator,
+        /// Show what would be done; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Delete processed messages older than a retention, in batches of 500
+    /// that rest between them so that the application's writers get in.
+    Purge {
+        /// How long processed messages are kept: e.g. 30m, 12h, 7d (units s, m, h, d).
+        #[arg(
+            long,
+            value_parser = parse_duration,
+            value_name = "DURATION",
+            allow_hyphen_values = true
+        )]
+        older_than: Duration,
+    },
+    /// Probe the outbox: exit 0 healthy, 1 degraded, 2 unhealthy.
+    Health {
+        /// Degraded when the oldest pending message is older than this (units s, m, h, d).
+        #[arg(
+            long,
+            value_parser = parse_duration,
+            default_value = "5m",
+            value_name = "DURATION",
+            allow_hyphen_values = true
+        )]
+        backlog_alert: Duration,
+    },
+}
+
+/// Arguments of `list`.
+#[derive(Debug, Args)]
+pub struct ListArgs {
+    /// Only messages in this state.
+    #[arg(long, value_enum)]
+    pub state: Option<StateArg>,
+    /// Only messages of this type, e.g. OrderPlaced.
+    #[arg(long = "type", value_name = "TYPE")]
+    pub message_type: Option<String>,
+    /// At most this many messages.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    pub limit: u32,
+}
+
+/// Arguments of `retry`.
+#[derive(Debug, Args)]
+pub struct RetryArgs {
+    /// The poisoned message's id (a UUID).
+    #[arg(
+        value_parser = parse_id,
+        required_unless_present = "all_poisoned",
+        conflicts_with = "all_poisoned"
+    )]
+    pub id: Option<MessageId>,
+    /// Retry every poisoned message.
+    #[arg(long)]
+    pub all_poisoned: bool,
+    /// Show what would be retried; change nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    #[command(flatten)]
+    pub operator: Operator,
+}
+
+/// Who performs an action; recorded in the message's `last_error`.
+#[derive(Debug, Args)]
+pub struct Operator {
+    /// The operator's name, recorded with the action [default: $USER, else "cli"].
+    #[arg(long, value_name = "NAME")]
+    pub by: Option<String>,
+}
+
+impl Operator {
+    /// The name given with `--by`, else `$USER`, else `cli`.
+    pub fn name(&self) -> Result<String, CliError> {
+        let name = match &self.by {
+            Some(by) => by.trim().to_owned(),
+            None => std::env::var("USER")
+                .ok()
+                .map(|u| u.trim().to_owned())
+                .filter(|u| !u.is_empty())
+                .unwrap_or_else(|| "cli".to_owned()),
+        };
+        if name.is_empty() || name.chars().any(char::is_control) {
+            return Err(CliError::usage(format!(
+                "operator name `{}` given with --by must be non-empty text without control characters",
+                name.escape_debug()
+            )));
+        }
+        Ok(name)
+    }
+}
+
+/// Message states, as typed on the command line.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum StateArg {
+    /// Waiting for delivery.
+    Pending,
+    /// Failed too often; waits for an operator.
+    Poisoned,
+    /// Delivered or discarded.
+    Processed,
+}
+
+impl From<StateArg> for MessageState {
+    fn from(s: StateArg) -> Self {
+        match s {
+            StateArg::Pending => MessageState::Pending,
+            StateArg::Poisoned => MessageState::Poisoned,
+            StateArg::Processed => MessageState::Processed,
+        }
+    }
+}
+
+/// Parses a message id (clap value parser).
+pub fn parse_id(text: &str) -> Result<MessageId, String> {
+    text.trim()
+        .parse::<MessageId>()
+        .map_err(|_| format!("`{}` is not a message id (a UUID)", text.escape_debug()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_password() {
+        use clap::Parser as _;
+        let cli = Cli::try_parse_from([
+            "outbox",
+            "--database",
+            "postgres://shop:s3cretpw@db.example:5432/app",
+            "stats",
+        ])
+        .unwrap();
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("s3cretpw"), "{shown}");
+        assert!(
+            shown.contains("postgres://shop:***@db.example:5432/app"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn cli_is_well_formed() {
+        use clap::CommandFactory as _;
+        Cli::command().debug_assert();
+    }
+}

@@ -1,0 +1,366 @@
+//! The commands. Each works over the opened outbox's `OperatorStore`, the
+//! same code for every backend; only opening ([`crate::db`]) differs.
+
+use std::time::Duration;
+
+use outbox_api::{ErrorKind, ListQuery, Message, MessageId, MessageState, Timestamp};
+use serde_json::{Value, json};
+
+use crate::args::{ListArgs, RetryArgs};
+use crate::db::{self, Outbox, Target};
+use crate::duration::format_age;
+use crate::{CliError, EXIT_USAGE, Output, render};
+
+/// How many processed messages one purge statement deletes.
+const PURGE_BATCH: usize = 500;
+
+fn to_json(value: &Value) -> String {
+    let mut s = serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string());
+    s.push('\n');
+    s
+}
+
+pub async fn stats(outbox: &Outbox, json: bool) -> Result<Output, CliError> {
+    let stats = outbox.store().stats().await?;
+    let now = Timestamp::now();
+    let age = stats.oldest_pending_created_at.map(|t| now.since(t));
+    if json {
+        return Ok(Output::ok(to_json(&json!({
+            "table": outbox.name(),
+            "pending": stats.pending,
+            "poisoned": stats.poisoned,
+            "processed": stats.processed,
+            "oldest_pending_created_at": stats.oldest_pending_created_at.map(|t| t.to_string()),
+            "oldest_pending_age_seconds": age.map(|a| a.as_secs_f64()),
+        }))));
+    }
+    let oldest = match (stats.oldest_pending_created_at, age) {
+        (Some(t), Some(age)) => format!("{} ago ({t})", format_age(age)),
+        _ => "-".to_owned(),
+    };
+    Ok(Output::ok(format!(
+        "table           {}\npending         {}\npoisoned        {}\nprocessed       {}\noldest pending  {oldest}\n",
+        outbox.name(),
+        stats.pending,
+        stats.poisoned,
+        stats.processed,
+    )))
+}
+
+pub async fn list(outbox: &Outbox, args: &ListArgs, json: bool) -> Result<Output, CliError> {
+    let mut query = ListQuery::new().limit(args.limit as usize);
+    if let Some(state) = args.state {
+        query = query.state(MessageState::from(state));
+    }
+    if let Some(message_type) = &args.message_type {
+        query = query.message_type(message_type.clone());
+    }
+    let messages = outbox.store().list(&query).await?;
+    if json {
+        let items: Vec<Value> = messages
+            .iter()
+            .map(|m| render::message_json(m, false))
+            .collect();
+        return Ok(Output::ok(to_json(&Value::Array(items))));
+    }
+    if messages.is_empty() {
+        return Ok(Output::ok("no messages match\n".to_owned()));
+    }
+    let mut out = render::message_table(&messages);
+    if messages.len() == args.limit as usize {
+        out.push_str(&format!(
+            "({} shown; there may be more: raise --limit)\n",
+            messages.len()
+        ));
+    }
+    Ok(Output::ok(out))
+}
+
+/// The message, or a `not found` error naming the id and table.
+async fn get(outbox: &Outbox, id: MessageId) -> Result<Message, CliError> {
+    outbox.store().get(id).await?.ok_or_else(|| {
+        CliError::failed(format!(
+            "not found: no message with id {id} in outbox table `{}`",
+            outbox.name()
+        ))
+    })
+}
+
+pub async fn show(outbox: &Outbox, id: MessageId, json: bool) -> Result<Output, CliError> {
+    let message = get(outbox, id).await?;
+    Ok(Output::ok(if json {
+        to_json(&render::message_json(&message, true))
+    } else {
+        render::message_page(&message)
+    }))
+}
+
+/// A short description of a message for action reports.
+fn describe(m: &Message) -> String {
+    let mut s = format!("{} ({}", m.id, render::one_line(&m.message_type));
+    if let Some(key) = &m.key {
+        s.push_str(&format!(", key {}", render::one_line(key)));
+    }
+    s.push_str(&format!(", {} attempts", m.attempts));
+    if let Some(e) = &m.last_error {
+        s.push_str(&format!(
+            ", last error: {}",
+            render::truncate(&render::one_line(e), 80)
+        ));
+    }
+    s.push(')');
+    s
+}
+
+fn not_poisoned(m: &Message) -> CliError {
+    CliError::failed(format!(
+        "conflict: message {} is {}, not poisoned; only poisoned messages can be retried",
+        m.id, m.state
+    ))
+}
+
+pub async fn retry(outbox: &Outbox, args: &RetryArgs, json: bool) -> Result<Output, CliError> {
+    let by = args.operator.name()?;
+    let store = outbox.store();
+    let targets: Vec<Message> = match args.id {
+        Some(id) => {
+            let m = get(outbox, id).await?;
+            if m.state != MessageState::Poisoned {
+                return Err(not_poisoned(&m));
+            }
+            vec![m]
+        }
+        None => {
+            let poisoned = store.backlog().await?.poisoned;
+            if poisoned == 0 {
+                Vec::new()
+            } else {
+                store
+                    .list(
+                        &ListQuery::new()
+                            .state(MessageState::Poisoned)
+                            .limit(usize::try_from(poisoned).unwrap_or(usize::MAX)),
+                    )
+                    .await?
+            }
+        }
+    };
+    let mut done = Vec::new();
+    let mut skipped = Vec::new();
+    for m in &targets {
+        if args.dry_run {
+            done.push(m);
+            continue;
+        }
+        match store.retry(m.id, &by, Timestamp::now()).await {
+            Ok(()) => done.push(m),
+            // With --all-poisoned, another operator or a discard may have
+            // moved a message meanwhile: report it and go on.
+            Err(e)
+                if args.id.is_none()
+                    && matches!(e.kind(), ErrorKind::Conflict | ErrorKind::NotFound) =>
+            {
+                skipped.push((m, e.to_string()));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if !args.dry_run && !done.is_empty() {
+        outbox.changed().await;
+    }
+    if json {
+        return Ok(Output::ok(to_json(&json!({
+            "action": "retry",
+            "dry_run": args.dry_run,
+            "by": by,
+            "count": done.len(),
+            "messages": done.iter().map(|m| json!({
+                "id": m.id.to_string(),
+                "message_type": m.message_type,
+                "key": m.key,
+                "attempts_before": m.attempts,
+            })).collect::<Vec<_>>(),
+            "skipped": skipped.iter().map(|(m, reason)| json!({
+                "id": m.id.to_string(),
+                "reason": reason,
+            })).collect::<Vec<_>>(),
+        }))));
+    }
+    let verb = if args.dry_run {
+        "would retry"
+    } else {
+        "retried"
+    };
+    let mut out = String::new();
+    for m in &done {
+        out.push_str(&format!("{verb} {}\n", describe(m)));
+    }
+    for (m, reason) in &skipped {
+        out.push_str(&format!("skipped {}: {}\n", m.id, render::one_line(reason)));
+    }
+    if targets.is_empty() {
+        out.push_str("no poisoned messages\n");
+    } else if args.dry_run {
+        out.push_str(&format!(
+            "dry run: {} poisoned message(s) would go back to pending with attempts 0 (by {}); nothing changed\n",
+            done.len(),
+            render::one_line(&by)
+        ));
+    } else {
+        out.push_str(&format!(
+            "{} message(s) back to pending with attempts 0 (by {})\n",
+            done.len(),
+            render::one_line(&by)
+        ));
+    }
+    Ok(Output::ok(out))
+}
+
+pub async fn discard(
+    outbox: &Outbox,
+    id: MessageId,
+    by: &str,
+    dry_run: bool,
+    json: bool,
+) -> Result<Output, CliError> {
+    let m = get(outbox, id).await?;
+    if m.state == MessageState::Processed {
+        return Err(CliError::failed(format!(
+            "conflict: message {id} is processed already; nothing to discard"
+        )));
+    }
+    if !dry_run {
+        outbox.store().discard(id, by, Timestamp::now()).await?;
+        // A discard may unblock later messages of its key.
+        outbox.changed().await;
+    }
+    if json {
+        return Ok(Output::ok(to_json(&json!({
+            "action": "discard",
+            "dry_run": dry_run,
+            "by": by,
+            "id": id.to_string(),
+            "message_type": m.message_type,
+            "previous_state": m.state.as_str(),
+        }))));
+    }
+    let verb = if dry_run {
+        "would discard"
+    } else {
+        "discarded"
+    };
+    let mut out = format!(
+        "{verb} {}: {} → processed without delivery (by {})\n",
+        describe(&m),
+        m.state,
+        render::one_line(by)
+    );
+    if dry_run {
+        out.push_str("dry run: nothing changed\n");
+    }
+    Ok(Output::ok(out))
+}
+
+pub async fn purge(outbox: &Outbox, older_than: Duration, json: bool) -> Result<Output, CliError> {
+    let before = Timestamp::now().sub(older_than);
+    // Batches that rest between them, so the application's writers get in.
+    let purged = outbox_api::backend::purge_in_batches(
+        PURGE_BATCH,
+        || false,
+        |limit| outbox.store().purge_processed(before, limit),
+    )
+    .await?;
+    if json {
+        return Ok(Output::ok(to_json(&json!({
+            "action": "purge",
+            "purged": purged,
+            "processed_before": before.to_string(),
+        }))));
+    }
+    Ok(Output::ok(format!(
+        "purged {purged} processed message(s) processed before {before} (older than {})\n",
+        format_age(older_than)
+    )))
+}
+
+/// The `unhealthy` report: exit 2, the reason on stdout and stderr.
+pub fn unhealthy(json: bool, reason: String) -> Output {
+    let stdout = if json {
+        to_json(&json!({
+            "status": "unhealthy",
+            "reasons": [reason],
+        }))
+    } else {
+        format!("unhealthy\n  - {}\n", render::one_line(&reason))
+    };
+    Output {
+        stdout,
+        error: Some(format!("unhealthy: {reason}")),
+        code: EXIT_USAGE,
+    }
+}
+
+pub async fn health(target: &Target, alert: Duration, json: bool) -> Output {
+    let stats = match db::open(target).await {
+        // The backlog only: a probe must not count the processed history.
+        Ok(outbox) => {
+            let backlog = outbox.store().backlog().await.map_err(CliError::from);
+            outbox.close().await;
+            backlog
+        }
+        Err(e) => Err(e),
+    };
+    let stats = match stats {
+        Ok(stats) => stats,
+        Err(e) => return unhealthy(json, e.message),
+    };
+    let age = stats
+        .oldest_pending_created_at
+        .map(|t| Timestamp::now().since(t));
+    let mut reasons = Vec::new();
+    if stats.poisoned > 0 {
+        reasons.push(format!(
+            "{} poisoned message(s) wait for an operator (see `outbox list --state poisoned`)",
+            stats.poisoned
+        ));
+    }
+    if let Some(age) = age.filter(|a| *a > alert) {
+        reasons.push(format!(
+            "the oldest pending message is {} old (alert after {})",
+            format_age(age),
+            format_age(alert)
+        ));
+    }
+    let (status, code) = if reasons.is_empty() {
+        ("healthy", 0)
+    } else {
+        ("degraded", 1)
+    };
+    let stdout = if json {
+        to_json(&json!({
+            "status": status,
+            "reasons": reasons,
+            "pending": stats.pending,
+            "poisoned": stats.poisoned,
+            "oldest_pending_age_seconds": age.map(|a| a.as_secs_f64()),
+            "backlog_alert_seconds": alert.as_secs(),
+        }))
+    } else {
+        let mut s = format!("{status}\n");
+        for r in &reasons {
+            s.push_str(&format!("  - {r}\n"));
+        }
+        s.push_str(&format!(
+            "  pending {}, poisoned {}, oldest pending {}\n",
+            stats.pending,
+            stats.poisoned,
+            age.map_or_else(|| "-".to_owned(), |a| format!("{} old", format_age(a)))
+        ));
+        s
+    };
+    Output {
+        stdout,
+        error: None,
+        code,
+    }
+}

@@ -1,0 +1,268 @@
+//! Finding and opening the outbox table an operator names, without ever
+//! creating or migrating anything. This is the only part of the CLI that
+//! differs by backend: [`open`] checks read-only that the table exists and
+//! is an outbox, then hands the commands an [`Outbox`] whose store is an
+//! `OperatorStore` trait object.
+
+mod postgres;
+mod sqlite;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use outbox_api::OperatorStore;
+use outbox_api::backend::redact_url;
+use outbox_postgres::PgStore;
+
+use crate::CliError;
+
+/// The columns every outbox table has (SQLite and PostgreSQL alike); a
+/// table lacking any is not one.
+const OUTBOX_COLUMNS: &[&str] = &[
+    "seq",
+    "id",
+    "kind",
+    "message_type",
+    "key",
+    "exchange",
+    "routing_key",
+    "payload",
+    "content_type",
+    "headers",
+    "trace_parent",
+    "created_at",
+    "available_at",
+    "attempts",
+    "last_error",
+    "state",
+    "locked_by",
+    "locked_until",
+    "processed_at",
+];
+
+/// The outbox columns missing from `columns`.
+fn missing_columns(columns: &[String]) -> Vec<&'static str> {
+    OUTBOX_COLUMNS
+        .iter()
+        .copied()
+        .filter(|c| !columns.iter().any(|have| have.eq_ignore_ascii_case(c)))
+        .collect()
+}
+
+/// The outbox table an operator named: where it is, not yet opened.
+pub enum Target {
+    /// A table in a SQLite file.
+    Sqlite {
+        /// The database file.
+        path: PathBuf,
+        /// The outbox table.
+        table: String,
+    },
+    /// A table in a PostgreSQL schema.
+    Postgres {
+        /// The connection URL, password included (never shown: see `Debug`).
+        url: String,
+        /// The schema.
+        schema: String,
+        /// The outbox table.
+        table: String,
+    },
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Sqlite { path, table } => f
+                .debug_struct("Sqlite")
+                .field("path", path)
+                .field("table", table)
+                .finish(),
+            Target::Postgres { url, schema, table } => f
+                .debug_struct("Postgres")
+                .field("url", &redact_url(url))
+                .field("schema", schema)
+                .field("table", table)
+                .finish(),
+        }
+    }
+}
+
+impl Target {
+    /// Reads `--database` (`sqlite:PATH`, `postgres://…`, `postgresql://…`)
+    /// with `--schema` (PostgreSQL only; default `public`) and `--table`.
+    pub fn parse(url: &str, schema: Option<&str>, table: &str) -> Result<Target, CliError> {
+        if let Some(rest) = url.strip_prefix("sqlite:") {
+            if let Some(schema) = schema {
+                return Err(CliError::usage(format!(
+                    "--schema `{}` applies to PostgreSQL only; a SQLite database has no schemas \
+                     (unset --schema / OUTBOX_SCHEMA)",
+                    schema.escape_debug()
+                )));
+            }
+            return Ok(Target::Sqlite {
+                path: sqlite::parse_path(url, rest)?,
+                table: table.to_owned(),
+            });
+        }
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            return Ok(Target::Postgres {
+                url: url.to_owned(),
+                schema: schema.unwrap_or(outbox_postgres::DEFAULT_SCHEMA).to_owned(),
+                table: table.to_owned(),
+            });
+        }
+        Err(CliError::usage(format!(
+            "database `{}` is neither a `sqlite:PATH` nor a `postgres://USER@HOST/DB` URL",
+            redact_url(url).escape_debug()
+        )))
+    }
+}
+
+/// An opened outbox table: its store, and how to name it.
+pub struct Outbox {
+    store: Arc<dyn OperatorStore>,
+    name: String,
+    backend: Backend,
+}
+
+/// What only some backends need after the store's own work.
+enum Backend {
+    Sqlite,
+    Postgres(PgStore),
+}
+
+impl Outbox {
+    /// The store the commands work on.
+    pub fn store(&self) -> &dyn OperatorStore {
+        &*self.store
+    }
+
+    /// The table as an operator names it: `outbox`, or `schema.outbox` on
+    /// PostgreSQL.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Tells relays that messages became claimable (a retry, a discard that
+    /// unblocks a key). SQLite relays see the file change by themselves;
+    /// PostgreSQL relays in other processes hear a `NOTIFY` on the table's
+    /// channel, sent here before the CLI exits (the store's own announcer
+    /// runs in a background task this short-lived process may not wait
+    /// for). Best effort: relays poll anyway.
+    pub async fn changed(&self) {
+        if let Backend::Postgres(pg) = &self.backend {
+            postgres::announce(pg).await;
+        }
+    }
+
+    /// Closes the store's connections (PostgreSQL: politely, so the server
+    /// logs no broken connection).
+    pub async fn close(self) {
+        if let Backend::Postgres(pg) = &self.backend {
+            pg.pool().close().await;
+        }
+    }
+}
+
+/// Opens `target` after checking, read-only, that it is an existing outbox
+/// table; never creates or migrates anything.
+pub async fn open(target: &Target) -> Result<Outbox, CliError> {
+    match target {
+        Target::Sqlite { path, table } => {
+            let store = sqlite::open(path, table).await?;
+            Ok(Outbox {
+                name: store.table().to_owned(),
+                store: Arc::new(store),
+                backend: Backend::Sqlite,
+            })
+        }
+        Target::Postgres { url, schema, table } => {
+            let store = postgres::open(url, schema, table).await?;
+            Ok(Outbox {
+                name: format!("{}.{}", store.schema(), store.table()),
+                store: Arc::new(store.clone()),
+                backend: Backend::Postgres(store),
+            })
+        }
+    }
+}
+
+/// Checks that `name` is a table name the stores accept:
+/// `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters (clap value parser;
+/// PostgreSQL's stricter rules are checked when its store is opened).
+pub fn parse_table_name(name: &str) -> Result<String, String> {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!(
+            "table name `{}` is not an identifier (letters, digits and `_`, not starting with a digit)",
+            name.escape_debug()
+        ));
+    }
+    if name.len() > 63 {
+        return Err(format!(
+            "table name `{name}` is {} characters long; at most 63 are allowed",
+            name.len()
+        ));
+    }
+    Ok(name.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sqlite_path(url: &str) -> PathBuf {
+        match Target::parse(url, None, "outbox").unwrap() {
+            Target::Sqlite { path, .. } => path,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn database_urls() {
+        assert_eq!(sqlite_path("sqlite:a.db"), PathBuf::from("a.db"));
+        assert_eq!(sqlite_path("sqlite://a.db"), PathBuf::from("a.db"));
+        assert_eq!(sqlite_path("sqlite:///x/a.db"), PathBuf::from("/x/a.db"));
+        for bad in ["a.db", "mysql://h/db", "sqlite:", "sqlite::memory:"] {
+            assert!(Target::parse(bad, None, "outbox").is_err(), "{bad}");
+        }
+        for pg in ["postgres://u@h/db", "postgresql://u:pw@h:5433/db"] {
+            match Target::parse(pg, None, "outbox").unwrap() {
+                Target::Postgres { url, schema, table } => {
+                    assert_eq!(
+                        (url.as_str(), schema.as_str(), table.as_str()),
+                        (pg, "public", "outbox")
+                    );
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        match Target::parse("postgres://u@h/db", Some("shop"), "t").unwrap() {
+            Target::Postgres { schema, .. } => assert_eq!(schema, "shop"),
+            other => panic!("{other:?}"),
+        }
+        let e = Target::parse("sqlite:a.db", Some("shop"), "outbox").unwrap_err();
+        assert!(e.message.contains("--schema"), "{}", e.message);
+    }
+
+    #[test]
+    fn passwords_are_never_shown() {
+        let e = Target::parse("mysql://u:s3cret@h/db", None, "outbox").unwrap_err();
+        assert!(!e.message.contains("s3cret"), "{}", e.message);
+        assert!(e.message.contains("mysql://u:***@h/db"), "{}", e.message);
+        let t = Target::parse("postgres://u:s3cret@h/db", None, "outbox").unwrap();
+        let shown = format!("{t:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
+    }
+
+    #[test]
+    fn table_names() {
+        assert!(parse_table_name("orders_outbox").is_ok());
+        for bad in ["", "1x", "a-b", "x; DROP TABLE y", &"a".repeat(64)] {
+            assert!(parse_table_name(bad).is_err(), "{bad}");
+        }
+    }
+}

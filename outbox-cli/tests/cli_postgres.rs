@@ -1,0 +1,489 @@
+//! Runs the built `outbox` binary against outbox tables in PostgreSQL, each
+//! test in a schema of its own (`outbox_postgres::testing`).
+//!
+//! They need PostgreSQL: `OUTBOX_PG_URL` if set, else the local default
+//! (`postgres://postgres@127.0.0.1:5432/test`) if it answers; otherwise
+//! they fail saying how to provide one — never a silent skip.
+
+use std::process::{Command, Output};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_api::{
+    ClaimRequest, FailOutcome, Failure, MessageId, MessageKind, MessageState, NewMessage,
+    OperatorStore, Store, Timestamp,
+};
+use outbox_postgres::sqlx;
+use outbox_postgres::testing::{PgUnderTest, unique_schema};
+
+mod common;
+use common::{assert_error, assert_ok, json_of, stderr, stdout};
+
+const TRACE: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+const TABLE: &str = "test_outbox";
+
+/// A fresh schema with one poisoned, one processed and one pending message.
+struct Fixture {
+    pg: PgUnderTest,
+    poisoned: MessageId,
+    processed: MessageId,
+    pending: MessageId,
+}
+
+async fn enqueue(pg: &PgUnderTest, message: NewMessage) -> MessageId {
+    let mut tx = pg.pool().begin().await.unwrap();
+    let id = pg.pg().outbox().enqueue(&mut tx, message).await.unwrap();
+    tx.commit().await.unwrap();
+    id
+}
+
+fn claim_one() -> ClaimRequest {
+    ClaimRequest::new(
+        "w",
+        1,
+        Duration::from_secs(30),
+        Timestamp::now().add(Duration::from_secs(1)),
+    )
+}
+
+async fn fixture() -> Fixture {
+    let pg = PgUnderTest::fresh(None).await;
+    let store = pg.pg();
+    let order = serde_json::json!({"order": 1, "items": ["a", "b"]});
+    let poisoned = enqueue(
+        &pg,
+        NewMessage::json(MessageKind::Domain, "OrderPlaced", &order)
+            .unwrap()
+            .key("order-1")
+            .header("tenant", "acme")
+            .trace_parent(TRACE),
+    )
+    .await;
+    assert_eq!(store.claim(&claim_one()).await.unwrap()[0].id, poisoned);
+    let outcome = store
+        .fail(&Failure::new(
+            "w",
+            poisoned,
+            "boom: handler exploded",
+            Timestamp::now(),
+            1,
+            Timestamp::now(),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(outcome, FailOutcome::Poisoned { attempts: 1 });
+
+    let processed = enqueue(
+        &pg,
+        NewMessage::new(MessageKind::Domain, "Shipped", b"plain text".to_vec()),
+    )
+    .await;
+    assert_eq!(store.claim(&claim_one()).await.unwrap()[0].id, processed);
+    store
+        .complete(&[processed], Timestamp::now())
+        .await
+        .unwrap();
+
+    let pending = enqueue(
+        &pg,
+        NewMessage::new(MessageKind::Integration, "Binary", vec![0xff, 0x00, 0x10]),
+    )
+    .await;
+    Fixture {
+        pg,
+        poisoned,
+        processed,
+        pending,
+    }
+}
+
+/// `outbox ARGS…` with a clean environment.
+fn outbox_raw(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .env_remove("OUTBOX_DATABASE")
+        .env_remove("OUTBOX_TABLE")
+        .env_remove("OUTBOX_SCHEMA")
+        .env("USER", "tester")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// `outbox --database URL --schema S --table test_outbox ARGS…`.
+fn outbox(pg: &PgUnderTest, args: &[&str]) -> Output {
+    outbox_at(pg.url(), pg.schema(), TABLE, args)
+}
+
+fn outbox_at(url: &str, schema: &str, table: &str, args: &[&str]) -> Output {
+    let mut all = vec!["--database", url, "--schema", schema, "--table", table];
+    all.extend_from_slice(args);
+    outbox_raw(&all)
+}
+
+/// `url` with `password` put in (replacing any there was).
+fn with_password(url: &str, password: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("a URL");
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let (user, host) = match authority.rsplit_once('@') {
+        Some((userinfo, host)) => (userinfo.split(':').next().unwrap_or(""), host),
+        None => ("postgres", authority),
+    };
+    format!("{scheme}://{user}:{password}@{host}{path}")
+}
+
+async fn get(pg: &PgUnderTest, id: MessageId) -> outbox_api::Message {
+    pg.pg().get(id).await.unwrap().expect("the message exists")
+}
+
+/// Waits until `check` holds, failing with `what` after `limit`.
+async fn wait_for<F: AsyncFnMut() -> bool>(what: &str, limit: Duration, mut check: F) {
+    let deadline = Instant::now() + limit;
+    while !check().await {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?}: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn postgres_list_show_and_stats() {
+    let f = fixture().await;
+    let text = assert_ok(&outbox(&f.pg, &["list", "--state", "poisoned"]));
+    assert!(text.contains(&f.poisoned.to_string()), "{text}");
+    assert!(text.contains("boom: handler exploded"), "{text}");
+    assert!(!text.contains(&f.pending.to_string()), "{text}");
+
+    let all = json_of(&outbox(&f.pg, &["--json", "list"]));
+    let ids: Vec<&str> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        ids,
+        [
+            f.poisoned.to_string(),
+            f.processed.to_string(),
+            f.pending.to_string()
+        ]
+    );
+    let shipped = json_of(&outbox(&f.pg, &["list", "--type", "Shipped", "--json"]));
+    assert_eq!(shipped.as_array().unwrap().len(), 1);
+    assert_eq!(shipped[0]["state"], "processed");
+
+    let id = f.poisoned.to_string();
+    let text = assert_ok(&outbox(&f.pg, &["show", &id]));
+    for want in [
+        id.as_str(),
+        "poisoned",
+        "OrderPlaced",
+        "order-1",
+        TRACE,
+        "tenant: acme",
+        "\"items\": [\n",
+    ] {
+        assert!(text.contains(want), "want `{want}` in:\n{text}");
+    }
+    let v = json_of(&outbox(&f.pg, &["--json", "show", &f.pending.to_string()]));
+    assert_eq!(v["payload"], "ff0010");
+    assert_eq!(v["kind"], "integration");
+
+    let v = json_of(&outbox(&f.pg, &["stats", "--json"]));
+    assert_eq!(v["table"], format!("{}.{TABLE}", f.pg.schema()));
+    assert_eq!(
+        (&v["pending"], &v["poisoned"], &v["processed"]),
+        (&1.into(), &1.into(), &1.into())
+    );
+    let text = assert_ok(&outbox(&f.pg, &["stats"]));
+    assert!(
+        text.contains(&format!("{}.{TABLE}", f.pg.schema())),
+        "{text}"
+    );
+
+    let unknown = MessageId::new().to_string();
+    assert_error(&outbox(&f.pg, &["show", &unknown]), 1, &unknown);
+}
+
+#[tokio::test]
+async fn postgres_health_reads_the_backlog() {
+    let f = fixture().await;
+    let out = outbox(&f.pg, &["health", "--json"]);
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let v = json_of(&out);
+    assert_eq!(v["status"], "degraded");
+    assert_eq!((&v["pending"], &v["poisoned"]), (&1.into(), &1.into()));
+
+    assert_ok(&outbox(&f.pg, &["discard", &f.poisoned.to_string()]));
+    assert_ok(&outbox(&f.pg, &["discard", &f.pending.to_string()]));
+    let out = outbox(&f.pg, &["health"]);
+    assert_eq!(out.status.code(), Some(0), "{}", stdout(&out));
+    assert!(stdout(&out).starts_with("healthy"), "{}", stdout(&out));
+}
+
+#[tokio::test]
+async fn postgres_retry_and_discard_change_the_row_and_wake_the_relays() {
+    let f = fixture().await;
+    // Discard the pending message (dry run first: nothing changes).
+    let pending = f.pending.to_string();
+    let text = assert_ok(&outbox(&f.pg, &["discard", &pending, "--dry-run"]));
+    assert!(text.contains("would discard"), "{text}");
+    assert_eq!(get(&f.pg, f.pending).await.state, MessageState::Pending);
+    assert_ok(&outbox(&f.pg, &["discard", &pending, "--by", "bob"]));
+    let m = get(&f.pg, f.pending).await;
+    assert_eq!(m.state, MessageState::Processed);
+    assert!(m.last_error.unwrap().contains("discarded by bob"));
+    assert_error(
+        &outbox(&f.pg, &["discard", &pending]),
+        1,
+        "processed already",
+    );
+    assert_error(&outbox(&f.pg, &["retry", &pending]), 1, "not poisoned");
+
+    // A relay that polls only once a minute: only the CLI's NOTIFY can
+    // bring it the retried message within the deadline below.
+    let delivered = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&delivered);
+    let relay = outbox::Relay::builder(f.pg.pg().clone())
+        .poll_interval(Duration::from_secs(60))
+        .dispatcher(outbox::Handlers::new().on_message(
+            "OrderPlaced",
+            move |m: &outbox::Message| {
+                seen.lock().unwrap().push(m.id);
+                async { Ok::<_, std::io::Error>(()) }
+            },
+        ))
+        .spawn()
+        .unwrap();
+    // Its listener's connection carries the fixture's schema as its
+    // application name; wait until it listens.
+    let schema = f.pg.schema().to_owned();
+    let pool = f.pg.pool().clone();
+    wait_for("the relay listens", Duration::from_secs(30), async || {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query ILIKE 'LISTEN%'",
+        )
+        .bind(&schema)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            > 0
+    })
+    .await;
+
+    let id = f.poisoned.to_string();
+    let text = assert_ok(&outbox(&f.pg, &["retry", "--all-poisoned", "--dry-run"]));
+    assert!(text.contains("would retry") && text.contains(&id), "{text}");
+    assert_eq!(get(&f.pg, f.poisoned).await.state, MessageState::Poisoned);
+    let text = assert_ok(&outbox(&f.pg, &["retry", &id, "--by", "alice"]));
+    assert!(text.contains("retried") && text.contains(&id), "{text}");
+    let store = f.pg.pg().clone();
+    let poisoned = f.poisoned;
+    wait_for(
+        "the relay delivers the retried message (woken by the CLI's NOTIFY)",
+        Duration::from_secs(20),
+        async || get_state(&store, poisoned).await == MessageState::Processed,
+    )
+    .await;
+    relay.shutdown().await;
+    assert_eq!(*delivered.lock().unwrap(), [f.poisoned]);
+    let note = get(&f.pg, f.poisoned).await.last_error.unwrap();
+    assert!(
+        note.contains("retried by alice") && note.contains("boom"),
+        "{note}"
+    );
+
+    let text = assert_ok(&outbox(&f.pg, &["retry", "--all-poisoned"]));
+    assert!(text.contains("no poisoned messages"), "{text}");
+}
+
+async fn get_state(store: &outbox_postgres::PgStore, id: MessageId) -> MessageState {
+    store.get(id).await.unwrap().expect("exists").state
+}
+
+#[tokio::test]
+async fn postgres_purge_deletes_old_processed_messages_in_batches() {
+    let pg = PgUnderTest::fresh(None).await;
+    let mut tx = pg.pool().begin().await.unwrap();
+    let ids = pg
+        .pg()
+        .outbox()
+        .enqueue_many(
+            &mut tx,
+            (0..1_203)
+                .map(|i| NewMessage::new(MessageKind::Domain, "T", format!("{i}").into_bytes()))
+                .collect(),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let kept = enqueue(
+        &pg,
+        NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
+    )
+    .await;
+    pg.pg().complete(&ids, Timestamp::now()).await.unwrap();
+
+    let text = assert_ok(&outbox(&pg, &["purge", "--older-than", "7d"]));
+    assert!(text.contains("purged 0 "), "{text}");
+    assert_eq!(pg.pg().stats().await.unwrap().processed, 1_203);
+
+    // Processed at least a millisecond before the purge's cut-off.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let v = json_of(&outbox(&pg, &["purge", "--older-than", "0s", "--json"]));
+    assert_eq!(v["purged"], 1_203);
+    let stats = pg.pg().stats().await.unwrap();
+    assert_eq!((stats.pending, stats.processed), (1, 0));
+    assert!(pg.pg().get(kept).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn postgres_url_schema_and_table_come_from_the_environment() {
+    let f = fixture().await;
+    // `postgresql://` is the same as `postgres://`.
+    let url = f.pg.url().replacen("postgres://", "postgresql://", 1);
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .env("OUTBOX_DATABASE", &url)
+        .env("OUTBOX_SCHEMA", f.pg.schema())
+        .env("OUTBOX_TABLE", TABLE)
+        .args(["stats", "--json"])
+        .output()
+        .unwrap();
+    assert_eq!(json_of(&out)["poisoned"], 1, "{}", stderr(&out));
+}
+
+/// The schemas and tables of the fixture's schema, and whether `missing`
+/// exists: what the CLI must never change.
+async fn catalogue(pg: &PgUnderTest, missing: &str) -> (Vec<String>, bool) {
+    let tables = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+         WHERE n.nspname = $1 ORDER BY 1",
+    )
+    .bind(pg.schema())
+    .fetch_all(pg.pool())
+    .await
+    .unwrap();
+    let exists =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .bind(missing)
+            .fetch_one(pg.pool())
+            .await
+            .unwrap();
+    (tables, exists)
+}
+
+#[tokio::test]
+async fn postgres_bad_targets_are_clear_errors_and_nothing_is_created() {
+    let pg = PgUnderTest::fresh(None).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"CREATE TABLE "{s}".orders (id bigint PRIMARY KEY);
+           CREATE VIEW "{s}".outbox_view AS SELECT * FROM "{s}".{TABLE}"#,
+        s = pg.schema()
+    )))
+    .execute(pg.pool())
+    .await
+    .unwrap();
+    let missing = unique_schema("cli_missing");
+    let before = catalogue(&pg, &missing).await;
+    assert!(!before.1);
+    let url = pg.url();
+    let schema = pg.schema();
+
+    // A schema that does not exist: named, and not created.
+    for cmd in [&["stats"][..], &["list"], &["purge", "--older-than", "1d"]] {
+        assert_error(
+            &outbox_at(url, &missing, TABLE, cmd),
+            1,
+            &format!("no schema `{missing}`"),
+        );
+    }
+    // A table that does not exist: named, with this schema's outbox tables.
+    let out = outbox_at(url, schema, "nope", &["stats"]);
+    assert_error(&out, 1, "has no outbox table `nope`");
+    assert!(
+        stderr(&out).contains("its outbox tables: test_outbox"),
+        "{}",
+        stderr(&out)
+    );
+    // Tables that are not outboxes: the inbox, a business table, a view.
+    assert_error(
+        &outbox_at(url, schema, "test_inbox", &["list"]),
+        1,
+        "is not an outbox table (it lacks the columns seq, id,",
+    );
+    assert_error(
+        &outbox_at(url, schema, "orders", &["stats"]),
+        1,
+        "not an outbox table",
+    );
+    assert_error(
+        &outbox_at(url, schema, "outbox_view", &["stats"]),
+        1,
+        "is not a table (a view)",
+    );
+    // Names the store refuses are usage errors naming them.
+    assert_error(&outbox_at(url, "Bad", TABLE, &["stats"]), 2, "`Bad`");
+    assert_error(&outbox_at(url, schema, "Orders", &["stats"]), 2, "`Orders`");
+    assert_error(
+        &outbox_at(url, "pg_catalog", TABLE, &["stats"]),
+        2,
+        "reserved",
+    );
+    // A probe of a missing schema is unhealthy, naming it.
+    let out = outbox_at(url, &missing, TABLE, &["health"]);
+    assert_error(&out, 2, &format!("no schema `{missing}`"));
+    assert!(stdout(&out).starts_with("unhealthy"), "{}", stdout(&out));
+
+    assert_eq!(
+        catalogue(&pg, &missing).await,
+        before,
+        "the CLI changed the database"
+    );
+}
+
+#[tokio::test]
+async fn postgres_passwords_never_appear() {
+    let pg = PgUnderTest::fresh(None).await;
+    let secret = "s3cretpw";
+    // A server that does not answer: the error names it, without the password.
+    let out = outbox_raw(&[
+        "--database",
+        &format!("postgres://shop:{secret}@127.0.0.1:1/shop"),
+        "stats",
+    ]);
+    assert_error(&out, 1, "postgres://shop:***@127.0.0.1:1/shop");
+    assert!(!stderr(&out).contains(secret), "{}", stderr(&out));
+    let out = outbox_raw(&[
+        "--database",
+        &format!("postgres://shop:{secret}@127.0.0.1:1/shop"),
+        "health",
+        "--json",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(!stdout(&out).contains(secret) && !stderr(&out).contains(secret));
+    // The real server with a password in the URL (trust auth accepts it; a
+    // server that checks refuses it): whatever happens, it is not shown.
+    let url = with_password(pg.url(), secret);
+    let missing = unique_schema("cli_missing");
+    for args in [&["stats"][..], &["list"], &["health"]] {
+        for schema in [pg.schema(), missing.as_str()] {
+            let out = outbox_at(&url, schema, TABLE, args);
+            assert!(
+                !stdout(&out).contains(secret) && !stderr(&out).contains(secret),
+                "password shown:\n{}\n{}",
+                stdout(&out),
+                stderr(&out)
+            );
+        }
+    }
+    // A scheme the CLI does not speak: a usage error, the password hidden.
+    let out = outbox_raw(&[
+        "--database",
+        &format!("mysql://shop:{secret}@h/db"),
+        "stats",
+    ]);
+    assert_error(&out, 2, "mysql://shop:***@h/db");
+    assert!(!stderr(&out).contains(secret));
+}
