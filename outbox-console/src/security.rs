@@ -145,12 +145,15 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// Whether a POST comes from a page of this console's own origin, as far
 /// as the browser tells: `Sec-Fetch-Site` when sent, else `Origin` against
-/// `Host`. A request with neither (not a browser) is left to the CSRF token.
+/// `Host` (`Origin: null` is refused). A request with neither (not a browser) is left to the CSRF token.
 fn same_origin(headers: &HeaderMap) -> Result<(), &'static str> {
+    // Browsers send Sec-Fetch-Site themselves and no page can set it; when
+    // present it decides (`Origin` may be `null` under some referrer policies).
     if let Some(site) = header_str(headers, header::HeaderName::from_static("sec-fetch-site")) {
-        if !matches!(site, "same-origin" | "none") {
-            return Err("the request came from another site (Sec-Fetch-Site)");
-        }
+        return match site {
+            "same-origin" | "none" => Ok(()),
+            _ => Err("the request came from another site (Sec-Fetch-Site)"),
+        };
     }
     if let Some(origin) = header_str(headers, header::ORIGIN) {
         let authority = origin
@@ -190,7 +193,7 @@ pub(crate) async fn guard(
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     h.insert(
         header::REFERRER_POLICY,
-        HeaderValue::from_static("no-referrer"),
+        HeaderValue::from_static("same-origin"),
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     response
