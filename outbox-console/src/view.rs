@@ -264,6 +264,7 @@ pre { background: #fff; border: 1px solid #e3e6eb; padding: .8rem; overflow: aut
 .note { color: #5b6472; font-size: .9rem; }
 .flash { background: #d8f3dc; padding: .5rem .8rem; border-radius: .3rem; }
 .actions form { display: inline; }
+form.actions a { margin-left: .8rem; }
 button { font: inherit; padding: .3rem .8rem; border: 1px solid #8a93a3; border-radius: .3rem; background: #fff; cursor: pointer; }
 button.danger { border-color: #b02a37; color: #b02a37; }
 button.primary { border-color: #1d4ed8; color: #1d4ed8; }

@@ -251,6 +251,7 @@ async fn operator_retries_a_poisoned_message_in_a_browser_and_the_relay_delivers
         list.contains("Fragile") && list.contains(&poisoned.to_string()),
         "{list}"
     );
+    std::fs::write(dir.join("poisoned.png"), c.screenshot().await.unwrap()).unwrap();
     c.find(Locator::LinkText(&poisoned.to_string()))
         .await
         .unwrap()
@@ -285,6 +286,7 @@ async fn operator_retries_a_poisoned_message_in_a_browser_and_the_relay_delivers
         .unwrap();
     let heading = text_of(&c, "h1").await;
     assert!(heading.starts_with("Confirm: retry"), "{heading}");
+    std::fs::write(dir.join("confirm.png"), c.screenshot().await.unwrap()).unwrap();
     let m = store.get(poisoned).await.unwrap().unwrap();
     assert_eq!(
         m.state,
