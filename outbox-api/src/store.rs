@@ -394,6 +394,9 @@ pub struct ListQuery {
     pub message_type: Option<String>,
     /// At most this many (oldest first); `0` means the backend default (100).
     pub limit: usize,
+    /// Skips this many matching messages first (paging: page `n` of size
+    /// `s` is `offset(n * s).limit(s)`). Costs in proportion to the offset.
+    pub offset: usize,
 }
 
 impl ListQuery {
@@ -417,6 +420,12 @@ impl ListQuery {
     /// At most `limit` (`0`: the backend default).
     pub fn limit(mut self, limit: usize) -> Self {
         self.limit = limit;
+        self
+    }
+
+    /// Skips the first `offset` matching messages (oldest first).
+    pub fn offset(mut self, offset: usize) -> Self {
+        self.offset = offset;
         self
     }
 }

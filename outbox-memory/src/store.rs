@@ -395,6 +395,7 @@ impl OperatorStore for MemoryStore {
             .values()
             .filter(|m| q.state.is_none_or(|s| s == m.state))
             .filter(|m| q.message_type.as_ref().is_none_or(|t| *t == m.message_type))
+            .skip(q.offset)
             .take(limit)
             .cloned()
             .collect())

@@ -133,6 +133,7 @@ impl OperatorStore for PgStore {
             .bind(q.state.map(MessageState::as_str))
             .bind(q.message_type.as_deref())
             .bind(limit)
+            .bind(to_i64(q.offset))
             .fetch_all(&self.inner.pool)
             .await
             .map_err(|e| self.fail(e, what))?;

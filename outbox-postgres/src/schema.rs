@@ -392,7 +392,7 @@ impl Sql {
             list: format!(
                 "SELECT {COLUMNS} FROM {t}
                  WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR message_type = $2)
-                 ORDER BY seq LIMIT $3"
+                 ORDER BY seq LIMIT $3 OFFSET $4"
             ),
             get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
             state_of: format!("SELECT state, last_error FROM {t} WHERE id = $1 FOR UPDATE"),

@@ -533,6 +533,16 @@ pub async fn operator_list_get_retry_discard(s: &dyn StoreUnderTest) {
         .await
         .unwrap();
     assert_eq!(ids(&limited), k[..2]);
+    let second_page = store
+        .list(&ListQuery::new().offset(1).limit(1))
+        .await
+        .unwrap();
+    assert_eq!(ids(&second_page), [k[1]], "offset skips the oldest");
+    let past_the_end = store.list(&ListQuery::new().offset(3)).await.unwrap();
+    assert!(
+        past_the_end.is_empty(),
+        "an offset past the end lists nothing"
+    );
     assert!(store.get(MessageId::new()).await.unwrap().is_none());
 
     let err = store.retry(k[1], "ops", now).await.unwrap_err();

@@ -1,0 +1,914 @@
+//! The console's pages and actions.
+// A refusal is a ready page (`Response`), returned early with `?`; its
+// size does not matter on a path that renders HTML.
+#![allow(clippy::result_large_err)]
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{ConnectInfo, Path, RawQuery, State as S};
+use axum::http::{Extensions, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Redirect, Response};
+use maud::html;
+use outbox_api::{
+    ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorStore, Stats,
+    Timestamp, limits,
+};
+
+use crate::security::Keys;
+use crate::view::{self, error_page, page, respond};
+use crate::{Console, Outbox, SESSION_COOKIE};
+
+/// Furthest a list pages: offsets cost in proportion to their size.
+const MAX_LISTED: usize = 1_000_000;
+/// Most messages one bulk action touches; the confirmation page says so.
+pub(crate) const BULK_MAX: usize = 10_000;
+
+/// What the handlers share.
+pub(crate) struct State {
+    pub(crate) outboxes: Vec<Outbox>,
+    pub(crate) prefix: String,
+    pub(crate) keys: Keys,
+    backlog_age_alert: Duration,
+    page_size: usize,
+}
+
+type Page = Result<Response, Response>;
+
+impl State {
+    pub(crate) fn new(console: Console) -> Self {
+        State {
+            keys: Keys::new(console.token.as_deref()),
+            outboxes: console.outboxes,
+            prefix: console.prefix,
+            backlog_age_alert: console.backlog_age_alert,
+            page_size: console.page_size,
+        }
+    }
+
+    /// The overview's address.
+    pub(crate) fn home(&self) -> String {
+        if self.prefix.is_empty() {
+            "/".to_owned()
+        } else {
+            self.prefix.clone()
+        }
+    }
+
+    fn outbox(&self, name: &str) -> Result<&Outbox, Response> {
+        self.outboxes
+            .iter()
+            .find(|o| o.name == name)
+            .ok_or_else(|| {
+                let known: Vec<&str> = self.outboxes.iter().map(|o| o.name.as_str()).collect();
+                error_page(
+                    self,
+                    StatusCode::NOT_FOUND,
+                    "No such outbox",
+                    &format!(
+                        "There is no outbox named \"{}\" here. This console shows: {}.",
+                        view::short(name, 64),
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                )
+            })
+    }
+
+    pub(crate) fn list_url(
+        &self,
+        outbox: &str,
+        state: &str,
+        ty: Option<&str>,
+        page: usize,
+    ) -> String {
+        let mut q = form_urlencoded::Serializer::new(String::new());
+        q.append_pair("state", state);
+        if let Some(t) = ty {
+            q.append_pair("type", t);
+        }
+        if page > 1 {
+            q.append_pair("page", &page.to_string());
+        }
+        format!("{}/{outbox}/messages?{}", self.prefix, q.finish())
+    }
+
+    fn message_url(&self, outbox: &str, id: MessageId) -> String {
+        format!("{}/{outbox}/messages/{id}", self.prefix)
+    }
+
+    fn bad_request(&self, detail: &str) -> Response {
+        error_page(self, StatusCode::BAD_REQUEST, "Bad request", detail)
+    }
+
+    fn store_error(&self, doing: &str, e: &outbox_api::Error) -> Response {
+        let (status, title) = match e.kind() {
+            ErrorKind::NotFound => (StatusCode::NOT_FOUND, "Not found"),
+            ErrorKind::Conflict => (StatusCode::CONFLICT, "Not possible now"),
+            ErrorKind::InvalidInput => (StatusCode::BAD_REQUEST, "Bad request"),
+            _ => (StatusCode::SERVICE_UNAVAILABLE, "The store did not answer"),
+        };
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            tracing::warn!(error = %e, "outbox console: {doing} failed");
+        }
+        error_page(self, status, title, &format!("{doing}: {e}"))
+    }
+}
+
+fn params(q: Option<&str>) -> Vec<(String, String)> {
+    form_urlencoded::parse(q.unwrap_or("").as_bytes())
+        .into_owned()
+        .collect()
+}
+
+fn param<'a>(ps: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    ps.iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+        .filter(|v| !v.is_empty())
+}
+
+fn path<T>(state: &State, p: Result<Path<T>, PathRejection>) -> Result<T, Response> {
+    p.map(|Path(t)| t)
+        .map_err(|e| state.bad_request(&format!("The address is not valid: {e}")))
+}
+
+fn parse_id(state: &State, s: &str) -> Result<MessageId, Response> {
+    s.parse().map_err(|_| {
+        state.bad_request(&format!(
+            "\"{}\" is not a message id: ids are UUIDs such as 0190f3c4-5b6a-7c8d-9e0f-112233445566.",
+            view::short(s, 80)
+        ))
+    })
+}
+
+fn parse_type(state: &State, t: Option<&str>) -> Result<Option<String>, Response> {
+    match t {
+        Some(t) if t.len() > limits::MAX_TYPE_LEN => Err(state.bad_request(&format!(
+            "A message type is at most {} bytes long.",
+            limits::MAX_TYPE_LEN
+        ))),
+        Some(t) => Ok(Some(t.to_owned())),
+        None => Ok(None),
+    }
+}
+
+/// Who the audit note names: the console and, when known, the peer.
+fn operator(ext: &Extensions) -> String {
+    match ext.get::<ConnectInfo<SocketAddr>>() {
+        Some(ConnectInfo(addr)) => format!("outbox-console ({})", addr.ip()),
+        None => "outbox-console".to_owned(),
+    }
+}
+
+fn state_class(s: HealthStatus) -> &'static str {
+    s.as_str()
+}
+
+/// Health from the table alone: poison and backlog age.
+fn table_health(stats: &Stats, alert: Duration, now: Timestamp) -> (HealthStatus, Vec<String>) {
+    let mut reasons = Vec::new();
+    if stats.poisoned > 0 {
+        reasons.push(format!(
+            "{} poisoned message(s) wait for a human",
+            stats.poisoned
+        ));
+    }
+    if let Some(oldest) = stats.oldest_pending_created_at {
+        let a = now.since(oldest);
+        if a > alert {
+            reasons.push(format!(
+                "the oldest pending message is {} old (alert at {})",
+                view::age(a),
+                view::age(alert)
+            ));
+        }
+    }
+    let status = if reasons.is_empty() {
+        HealthStatus::Healthy
+    } else {
+        HealthStatus::Degraded
+    };
+    (status, reasons)
+}
+
+/// `GET {prefix}/`: one row per outbox.
+pub(crate) async fn overview(S(st): S<Arc<State>>) -> Response {
+    let now = Timestamp::now();
+    let mut rows = Vec::new();
+    for o in &st.outboxes {
+        let stats = o.store.stats().await;
+        let relay = match &o.health {
+            Some(f) => Some(f().await),
+            None => None,
+        };
+        rows.push((o, stats, relay));
+    }
+    let body = html! {
+        h1 { "Overview" }
+        @if rows.is_empty() {
+            p.note { "This console was started without an outbox." }
+        } @else {
+            table {
+                thead { tr {
+                    th { "outbox" } th { "health" } th.num { "pending" } th.num { "poisoned" }
+                    th.num { "processed" } th { "oldest pending" }
+                } }
+                tbody {
+                    @for (o, stats, relay) in &rows {
+                        @match stats {
+                            Ok(s) => {
+                                @let (status, reasons) = match relay {
+                                    Some(r) => (r.status, r.reasons.clone()),
+                                    None => table_health(s, st.backlog_age_alert, now),
+                                };
+                                tr {
+                                    td { a href=(st.list_url(&o.name, "poisoned", None, 1)) { (o.name) } }
+                                    td {
+                                        span class={ "status " (state_class(status)) } { (status.as_str()) }
+                                        @if relay.is_none() { " " span.note { "(from the table)" } }
+                                        @for r in &reasons { br; span.note { (r) } }
+                                    }
+                                    td.num { a href=(st.list_url(&o.name, "pending", None, 1)) { (s.pending) } }
+                                    td.num { a href=(st.list_url(&o.name, "poisoned", None, 1)) { (s.poisoned) } }
+                                    td.num { a href=(st.list_url(&o.name, "processed", None, 1)) { (s.processed) } }
+                                    td { @match s.oldest_pending_created_at {
+                                        Some(t) => { (view::age(now.since(t))) }
+                                        None => { "—" }
+                                    } }
+                                }
+                            }
+                            Err(e) => {
+                                tr {
+                                    td { (o.name) }
+                                    td colspan="5" {
+                                        span class="status unavailable" { "unavailable" }
+                                        " " span.error { (e) }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            p.note { "Counted at " (now) ". Health \"from the table\" is judged from poison and the \
+                      age of the oldest pending message; a relay's own report also knows whether \
+                      it runs and whether its transport is up." }
+        }
+    };
+    respond(StatusCode::OK, page(&st, "Overview", body))
+}
+
+/// `GET {prefix}/style.css`.
+pub(crate) async fn stylesheet() -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/css; charset=utf-8")],
+        view::STYLE,
+    )
+        .into_response()
+}
+
+/// Any path under the prefix that is not a page.
+pub(crate) async fn not_found(S(st): S<Arc<State>>) -> Response {
+    error_page(
+        &st,
+        StatusCode::NOT_FOUND,
+        "Not found",
+        "There is no page at this address.",
+    )
+}
+
+/// The fallback of a console served alone (no state: it is outside the
+/// console's router).
+pub(crate) fn plain_not_found(prefix: String) -> impl Fn() -> std::future::Ready<Response> + Clone {
+    move || {
+        let body = html! {
+            (maud::DOCTYPE)
+            html lang="en" { head { meta charset="utf-8"; title { "Not found · outbox console" } }
+            body { h1 { "Not found" } p { "There is no page at this address." }
+                   p { a href={ (prefix) "/" } { "Back to the overview" } } } }
+        };
+        std::future::ready(respond(StatusCode::NOT_FOUND, body))
+    }
+}
+
+fn flash(ps: &[(String, String)]) -> Option<String> {
+    let done = match param(ps, "done")? {
+        "retried" => "Retried",
+        "discarded" => "Discarded",
+        _ => return None,
+    };
+    match param(ps, "count").and_then(|c| c.parse::<u64>().ok()) {
+        Some(n) => {
+            let skipped = param(ps, "skipped")
+                .and_then(|c| c.parse::<u64>().ok())
+                .unwrap_or(0);
+            let mut s = format!("{done} {n} message(s).");
+            if skipped > 0 {
+                s.push_str(&format!(
+                    " {skipped} had changed meanwhile (retried, discarded or delivered) and were left alone."
+                ));
+            }
+            Some(s)
+        }
+        None => Some(format!("{done}.")),
+    }
+}
+
+/// `GET {prefix}/{outbox}/messages?state=&type=&page=`.
+pub(crate) async fn list(
+    S(st): S<Arc<State>>,
+    p: Result<Path<String>, PathRejection>,
+    RawQuery(q): RawQuery,
+) -> Page {
+    let name = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let ps = params(q.as_deref());
+    let state: MessageState = param(&ps, "state")
+        .unwrap_or("poisoned")
+        .parse()
+        .map_err(|_| st.bad_request("state must be pending, poisoned or processed."))?;
+    let ty = parse_type(&st, param(&ps, "type"))?;
+    let size = st.page_size;
+    let max_page = MAX_LISTED / size;
+    let page_no: usize = match param(&ps, "page") {
+        None => 1,
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if (1..=max_page).contains(&n) => n,
+            _ => {
+                return Err(st.bad_request(&format!(
+                    "page must be a whole number from 1 to {max_page} (got \"{}\").",
+                    view::short(s, 40)
+                )));
+            }
+        },
+    };
+    let mut query = ListQuery::new()
+        .state(state)
+        .limit(size + 1)
+        .offset((page_no - 1) * size);
+    if let Some(t) = &ty {
+        query = query.message_type(t.clone());
+    }
+    let mut messages = o
+        .store
+        .list(&query)
+        .await
+        .map_err(|e| st.store_error("listing messages", &e))?;
+    let has_next = messages.len() > size;
+    messages.truncate(size);
+    if messages.is_empty() && page_no > 1 {
+        return Err(error_page(
+            &st,
+            StatusCode::NOT_FOUND,
+            "Past the last page",
+            &format!(
+                "Page {page_no} is past the last {} message{}; the list has fewer than {} of them.",
+                state,
+                if ty.is_some() { " of this type" } else { "" },
+                (page_no - 1) * size + 1
+            ),
+        ));
+    }
+    let now = Timestamp::now();
+    let s = state.as_str();
+    let title = format!("{}: {s}", o.name);
+    let body = html! {
+        h1 { (o.name) ": " (s) " messages" @if let Some(t) = &ty { " of type " code { (t) } } }
+        @if let Some(f) = flash(&ps) { p.flash { (f) } }
+        nav.tabs {
+            @for tab in ["poisoned", "pending", "processed"] {
+                a class=@if tab == s { "current" } href=(st.list_url(&o.name, tab, ty.as_deref(), 1)) { (tab) }
+            }
+        }
+        form method="get" action={ (st.prefix) "/" (o.name) "/messages" } {
+            input type="hidden" name="state" value=(s);
+            label { "Type " input type="text" name="type" value=[ty.as_deref()] placeholder="any type"; }
+            " " button type="submit" { "Filter" }
+            @if ty.is_some() { " " a href=(st.list_url(&o.name, s, None, 1)) { "clear filter" } }
+        }
+        @if let (Some(t), MessageState::Poisoned, false) = (&ty, state, messages.is_empty()) {
+            p.actions {
+                "All poisoned " code { (t) } ": "
+                a href=(bulk_url(&st, &o.name, "retry", t)) { "retry all…" }
+                " · "
+                a href=(bulk_url(&st, &o.name, "discard", t)) { "discard all…" }
+            }
+        } @else if state == MessageState::Poisoned && ty.is_none() && !messages.is_empty() {
+            p.note { "Filter by a type (click one) to retry or discard all poisoned messages of it." }
+        }
+        @if messages.is_empty() {
+            p.note { "No " (s) " messages" @if ty.is_some() { " of this type" } "." }
+        } @else {
+            table {
+                thead { tr {
+                    th { "id" } th { "type" } th { "key" } th.num { "attempts" } th { "last error" }
+                    th { "created" }
+                } }
+                tbody {
+                    @for m in &messages {
+                        tr {
+                            td { a href=(st.message_url(&o.name, m.id)) { code { (m.id) } } }
+                            td { a href=(st.list_url(&o.name, s, Some(&m.message_type), 1)) { (m.message_type) } }
+                            td { @if let Some(k) = &m.key { (view::short(k, 40)) } @else { span.note { "—" } } }
+                            td.num { (m.attempts) }
+                            td { @if let Some(e) = &m.last_error { (view::short(e, 160)) } }
+                            td { (view::age(now.since(m.created_at))) " ago" }
+                        }
+                    }
+                }
+            }
+        }
+        p.pager {
+            @if page_no > 1 { a href=(st.list_url(&o.name, s, ty.as_deref(), page_no - 1)) { "← previous page" } }
+            span.note { "page " (page_no) }
+            @if has_next { " " a href=(st.list_url(&o.name, s, ty.as_deref(), page_no + 1)) { "next page →" } }
+        }
+    };
+    Ok(respond(StatusCode::OK, page(&st, &title, body)))
+}
+
+fn bulk_url(st: &State, outbox: &str, action: &str, ty: &str) -> String {
+    let mut q = form_urlencoded::Serializer::new(String::new());
+    q.append_pair("type", ty);
+    format!("{}/{outbox}/poisoned/{action}?{}", st.prefix, q.finish())
+}
+
+async fn fetch(st: &State, o: &Outbox, id: MessageId) -> Result<Message, Response> {
+    match o.store.get(id).await {
+        Ok(Some(m)) => Ok(m),
+        Ok(None) => Err(error_page(
+            st,
+            StatusCode::NOT_FOUND,
+            "No such message",
+            &format!(
+                "Outbox \"{}\" has no message {id} (a processed message is gone once retention purges it).",
+                o.name
+            ),
+        )),
+        Err(e) => Err(st.store_error("reading the message", &e)),
+    }
+}
+
+/// `GET {prefix}/{outbox}/messages/{id}`.
+pub(crate) async fn detail(
+    S(st): S<Arc<State>>,
+    p: Result<Path<(String, String)>, PathRejection>,
+    RawQuery(q): RawQuery,
+) -> Page {
+    let (name, id) = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let id = parse_id(&st, &id)?;
+    let m = fetch(&st, o, id).await?;
+    let ps = params(q.as_deref());
+    let now = Timestamp::now();
+    let (payload, payload_note) = view::payload(&m.payload);
+    let url = st.message_url(&o.name, m.id);
+    let body = html! {
+        h1 { "Message " code { (m.id) } }
+        @if let Some(f) = flash(&ps) { p.flash { (f) } }
+        p.actions {
+            @if m.state == MessageState::Poisoned { a href={ (url) "/retry" } { "Retry…" } " · " }
+            @if m.state != MessageState::Processed { a href={ (url) "/discard" } { "Discard…" } " · " }
+            a href=(st.list_url(&o.name, m.state.as_str(), None, 1)) { "all " (m.state) }
+        }
+        table {
+            tbody {
+                tr { th { "outbox" } td { (o.name) } }
+                tr { th { "state" } td { (m.state) } }
+                tr { th { "type" } td { code { (m.message_type) } } }
+                tr { th { "kind" } td { (m.kind) } }
+                tr { th { "key" } td { @if let Some(k) = &m.key { code { (k) } } @else { span.note { "none" } } } }
+                @if let Some(d) = &m.destination {
+                    tr { th { "destination" } td { "exchange " code { (d.exchange) } ", routing key " code { (d.routing_key) } } }
+                }
+                tr { th { "attempts" } td { (m.attempts) } }
+                tr { th { "last error" } td { @if let Some(e) = &m.last_error { pre { (e) } } @else { span.note { "none" } } } }
+                tr { th { "created" } td { (view::when(m.created_at, now)) } }
+                tr { th { "available" } td { (view::when(m.available_at, now)) } }
+                @if let Some(t) = m.processed_at { tr { th { "processed" } td { (view::when(t, now)) } } }
+                @if let (Some(by), Some(until)) = (&m.locked_by, m.locked_until) {
+                    tr { th { "lease" } td { code { (by) } " until " (view::when(until, now)) } }
+                }
+                tr { th { "trace" } td {
+                    @match &m.trace_parent {
+                        Some(tp) => {
+                            @if let Some(tid) = view::trace_id(tp) { "trace id " code { (tid) } br; }
+                            span.note { "traceparent " code { (tp) } }
+                        }
+                        None => { span.note { "none recorded" } }
+                    }
+                } }
+            }
+        }
+        h2 { "Headers" }
+        @if m.headers.is_empty() {
+            p.note { "none" }
+        } @else {
+            table { tbody { @for (k, v) in &m.headers { tr { th { code { (k) } } td { code { (v) } } } } } }
+        }
+        h2 { "Payload" }
+        p.note { code { (m.content_type) } ", " (payload_note) }
+        pre.payload { (payload) }
+    };
+    Ok(respond(
+        StatusCode::OK,
+        page(&st, &format!("Message {}", m.id), body),
+    ))
+}
+
+/// An operator action.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Retry,
+    Discard,
+}
+
+impl Action {
+    fn parse(st: &State, s: &str) -> Result<Action, Response> {
+        match s {
+            "retry" => Ok(Action::Retry),
+            "discard" => Ok(Action::Discard),
+            _ => Err(error_page(
+                st,
+                StatusCode::NOT_FOUND,
+                "Not found",
+                "The actions are retry and discard.",
+            )),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Action::Retry => "retry",
+            Action::Discard => "discard",
+        }
+    }
+
+    fn done(self) -> &'static str {
+        match self {
+            Action::Retry => "retried",
+            Action::Discard => "discarded",
+        }
+    }
+
+    /// Why the action does not apply to `m`, if it does not.
+    fn refused(self, m: &Message) -> Option<String> {
+        match (self, m.state) {
+            (Action::Retry, MessageState::Poisoned) => None,
+            (Action::Retry, s) => Some(format!(
+                "Message {} is {s}, not poisoned: only poisoned messages can be retried.",
+                m.id
+            )),
+            (Action::Discard, MessageState::Processed) => Some(format!(
+                "Message {} is processed already: there is nothing to discard.",
+                m.id
+            )),
+            (Action::Discard, _) => None,
+        }
+    }
+
+    async fn apply(
+        self,
+        store: &dyn OperatorStore,
+        id: MessageId,
+        by: &str,
+    ) -> outbox_api::Result<()> {
+        let now = Timestamp::now();
+        match self {
+            Action::Retry => store.retry(id, by, now).await,
+            Action::Discard => store.discard(id, by, now).await,
+        }
+    }
+
+    fn consequence(self) -> &'static str {
+        match self {
+            Action::Retry => {
+                "Its attempts go back to 0 and the relay delivers it again at once; the audit note \
+                 in its last error says who retried it and when."
+            }
+            Action::Discard => {
+                "It is marked processed without being delivered — it is never sent — and the \
+                 later messages of its key may go on. Retention purges it later."
+            }
+        }
+    }
+}
+
+/// `GET {prefix}/{outbox}/messages/{id}/{action}`: the confirmation page.
+pub(crate) async fn confirm_one(
+    S(st): S<Arc<State>>,
+    p: Result<Path<(String, String, String)>, PathRejection>,
+) -> Page {
+    let (name, id, action) = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let action = Action::parse(&st, &action)?;
+    let id = parse_id(&st, &id)?;
+    let m = fetch(&st, o, id).await?;
+    if let Some(why) = action.refused(&m) {
+        return Err(error_page(
+            &st,
+            StatusCode::CONFLICT,
+            "Not possible now",
+            &why,
+        ));
+    }
+    let url = st.message_url(&o.name, m.id);
+    let verb = action.name();
+    let body = html! {
+        h1 { "Confirm: " (verb) " message " code { (m.id) } "?" }
+        table { tbody {
+            tr { th { "outbox" } td { (o.name) } }
+            tr { th { "type" } td { code { (m.message_type) } } }
+            tr { th { "key" } td { @if let Some(k) = &m.key { code { (k) } } @else { span.note { "none" } } } }
+            tr { th { "state" } td { (m.state) } }
+            tr { th { "attempts" } td { (m.attempts) } }
+            tr { th { "last error" } td { @if let Some(e) = &m.last_error { (view::short(e, 300)) } } }
+        } }
+        p { (action.consequence()) }
+        form.actions method="post" action={ (url) "/" (verb) } {
+            input type="hidden" name="csrf" value=(st.keys.csrf(verb, &o.name, &m.id.to_string()));
+            button type="submit" class=(if action == Action::Discard { "danger" } else { "primary" }) {
+                "Yes, " (verb) " it"
+            }
+            " " a href=(url) { "Cancel" }
+        }
+    };
+    Ok(respond(
+        StatusCode::OK,
+        page(&st, &format!("Confirm {verb}"), body),
+    ))
+}
+
+fn csrf_refused(st: &State) -> Response {
+    error_page(
+        st,
+        StatusCode::FORBIDDEN,
+        "Refused: the form's check failed",
+        "The form did not carry a valid CSRF token for this action (it may come from another \
+         site, or from before the console restarted). Open the confirmation page again and \
+         confirm there.",
+    )
+}
+
+fn form(body: &Bytes) -> Vec<(String, String)> {
+    form_urlencoded::parse(body).into_owned().collect()
+}
+
+/// `POST {prefix}/{outbox}/messages/{id}/{action}`: does it.
+pub(crate) async fn act_one(
+    S(st): S<Arc<State>>,
+    p: Result<Path<(String, String, String)>, PathRejection>,
+    ext: Extensions,
+    body: Bytes,
+) -> Page {
+    let (name, id_text, action) = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let action = Action::parse(&st, &action)?;
+    let id = parse_id(&st, &id_text)?;
+    let f = form(&body);
+    let csrf = param(&f, "csrf").unwrap_or("");
+    if !st
+        .keys
+        .csrf_ok(csrf, action.name(), &o.name, &id.to_string())
+    {
+        return Err(csrf_refused(&st));
+    }
+    let by = operator(&ext);
+    action
+        .apply(o.store.as_ref(), id, &by)
+        .await
+        .map_err(|e| st.store_error(&format!("{} message {id}", action.name()), &e))?;
+    tracing::info!(outbox = %o.name, %id, by = %by, "outbox console: message {}", action.done());
+    Ok(Redirect::to(&format!(
+        "{}?done={}",
+        st.message_url(&o.name, id),
+        action.done()
+    ))
+    .into_response())
+}
+
+/// The ids of the poisoned messages of `ty`, oldest first, at most `BULK_MAX`.
+async fn poisoned_of_type(
+    st: &State,
+    o: &Outbox,
+    ty: &str,
+) -> Result<(Vec<MessageId>, bool), Response> {
+    const BATCH: usize = 500;
+    let mut ids = Vec::new();
+    let mut seen = HashSet::new();
+    let mut offset = 0;
+    loop {
+        let q = ListQuery::new()
+            .state(MessageState::Poisoned)
+            .message_type(ty)
+            .limit(BATCH)
+            .offset(offset);
+        let batch = o
+            .store
+            .list(&q)
+            .await
+            .map_err(|e| st.store_error("listing poisoned messages", &e))?;
+        let n = batch.len();
+        for m in batch {
+            if seen.insert(m.id) {
+                if ids.len() == BULK_MAX {
+                    return Ok((ids, true));
+                }
+                ids.push(m.id);
+            }
+        }
+        if n < BATCH {
+            return Ok((ids, false));
+        }
+        offset += BATCH;
+    }
+}
+
+fn bulk_type(st: &State, ps: &[(String, String)]) -> Result<String, Response> {
+    parse_type(st, param(ps, "type"))?.ok_or_else(|| {
+        st.bad_request(
+            "Say which message type: ?type=OrderPlaced (a bulk action applies to one type).",
+        )
+    })
+}
+
+/// `GET {prefix}/{outbox}/poisoned/{action}?type=T`: the confirmation page
+/// of a bulk action.
+pub(crate) async fn confirm_bulk(
+    S(st): S<Arc<State>>,
+    p: Result<Path<(String, String)>, PathRejection>,
+    RawQuery(q): RawQuery,
+) -> Page {
+    let (name, action) = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let action = Action::parse(&st, &action)?;
+    let ty = bulk_type(&st, &params(q.as_deref()))?;
+    let (ids, more) = poisoned_of_type(&st, o, &ty).await?;
+    let verb = action.name();
+    let list = st.list_url(&o.name, "poisoned", Some(&ty), 1);
+    let body = html! {
+        @if ids.is_empty() {
+            h1 { "No poisoned " code { (ty) } " messages" }
+            p { "There is nothing to " (verb) " in outbox " (o.name) ". " a href=(list) { "Back to the list" } }
+        } @else {
+            h1 { "Confirm: " (verb) " all " (ids.len()) @if more { "+" } " poisoned " code { (ty) } " messages?" }
+            @if more { p.error { "There are more than " (BULK_MAX) "; this action takes the oldest " (BULK_MAX) ". Run it again for the rest." } }
+            p { "Each of them: " (action.consequence()) }
+            p.note { "The action applies to the messages of this type that are poisoned when you confirm." }
+            form.actions method="post" action={ (st.prefix) "/" (o.name) "/poisoned/" (verb) } {
+                input type="hidden" name="type" value=(ty);
+                input type="hidden" name="csrf" value=(st.keys.csrf(&format!("bulk-{verb}"), &o.name, &ty));
+                button type="submit" class=(if action == Action::Discard { "danger" } else { "primary" }) {
+                    "Yes, " (verb) " them all"
+                }
+                " " a href=(list) { "Cancel" }
+            }
+        }
+    };
+    Ok(respond(
+        StatusCode::OK,
+        page(&st, &format!("Confirm {verb} all"), body),
+    ))
+}
+
+/// `POST {prefix}/{outbox}/poisoned/{action}`: does it, message by message.
+pub(crate) async fn act_bulk(
+    S(st): S<Arc<State>>,
+    p: Result<Path<(String, String)>, PathRejection>,
+    ext: Extensions,
+    body: Bytes,
+) -> Page {
+    let (name, action) = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let action = Action::parse(&st, &action)?;
+    let f = form(&body);
+    let ty = bulk_type(&st, &f)?;
+    let csrf = param(&f, "csrf").unwrap_or("");
+    if !st
+        .keys
+        .csrf_ok(csrf, &format!("bulk-{}", action.name()), &o.name, &ty)
+    {
+        return Err(csrf_refused(&st));
+    }
+    let (ids, _) = poisoned_of_type(&st, o, &ty).await?;
+    let by = operator(&ext);
+    let (mut done, mut skipped) = (0u64, 0u64);
+    for id in ids {
+        match action.apply(o.store.as_ref(), id, &by).await {
+            Ok(()) => done += 1,
+            // Changed since it was listed: another operator, or (discard)
+            // retried and delivered meanwhile.
+            Err(e) if matches!(e.kind(), ErrorKind::NotFound | ErrorKind::Conflict) => skipped += 1,
+            Err(e) => {
+                return Err(st.store_error(
+                    &format!(
+                        "{} poisoned {ty} messages stopped after {done} (the rest are untouched)",
+                        action.name()
+                    ),
+                    &e,
+                ));
+            }
+        }
+    }
+    tracing::info!(outbox = %o.name, message_type = %ty, count = done, skipped, by = %by,
+        "outbox console: poisoned messages {}", action.done());
+    let mut q = form_urlencoded::Serializer::new(String::new());
+    q.append_pair("state", "poisoned")
+        .append_pair("type", &ty)
+        .append_pair("done", action.done())
+        .append_pair("count", &done.to_string())
+        .append_pair("skipped", &skipped.to_string());
+    Ok(Redirect::to(&format!("{}/{}/messages?{}", st.prefix, o.name, q.finish())).into_response())
+}
+
+/// `GET {prefix}/login`.
+pub(crate) async fn login_form(S(st): S<Arc<State>>) -> Response {
+    if !st.keys.token_required() {
+        return Redirect::to(&st.home()).into_response();
+    }
+    view::login_page(&st, StatusCode::OK, None)
+}
+
+fn cookie_path(st: &State) -> &str {
+    if st.prefix.is_empty() {
+        "/"
+    } else {
+        &st.prefix
+    }
+}
+
+/// `POST {prefix}/login`: checks the token, sets the session cookie.
+pub(crate) async fn login(S(st): S<Arc<State>>, ext: Extensions, body: Bytes) -> Response {
+    let Some(session) = st.keys.session_value() else {
+        return Redirect::to(&st.home()).into_response();
+    };
+    let f = form(&body);
+    if !st.keys.is_token(param(&f, "token").unwrap_or("")) {
+        let peer = ext
+            .get::<ConnectInfo<SocketAddr>>()
+            .map(|c| c.0.ip().to_string())
+            .unwrap_or_else(|| "unknown".to_owned());
+        tracing::warn!(%peer, "outbox console: login with a wrong token");
+        return view::login_page(
+            &st,
+            StatusCode::UNAUTHORIZED,
+            Some("That is not the console's token."),
+        );
+    }
+    let cookie = format!(
+        "{SESSION_COOKIE}={session}; Path={}; HttpOnly; SameSite=Strict",
+        cookie_path(&st)
+    );
+    let mut r = Redirect::to(&st.home()).into_response();
+    if let Ok(v) = HeaderValue::from_str(&cookie) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    r
+}
+
+/// `POST {prefix}/logout`: clears the cookie.
+pub(crate) async fn logout(S(st): S<Arc<State>>, body: Bytes) -> Response {
+    let f = form(&body);
+    if !st
+        .keys
+        .csrf_ok(param(&f, "csrf").unwrap_or(""), "logout", "", "")
+    {
+        return csrf_refused(&st);
+    }
+    let cookie = format!(
+        "{SESSION_COOKIE}=; Path={}; HttpOnly; SameSite=Strict; Max-Age=0",
+        cookie_path(&st)
+    );
+    let mut r = Redirect::to(&format!("{}/login", st.prefix)).into_response();
+    if let Ok(v) = HeaderValue::from_str(&cookie) {
+        r.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_health_names_poison_and_age() {
+        let now = Timestamp::from_millis(1_000_000);
+        let ok = Stats::new(3, 0, 9, Some(now.sub(Duration::from_secs(10))));
+        assert_eq!(
+            table_health(&ok, Duration::from_secs(300), now).0,
+            HealthStatus::Healthy
+        );
+        let old = Stats::new(3, 1, 9, Some(now.sub(Duration::from_secs(600))));
+        let (s, reasons) = table_health(&old, Duration::from_secs(300), now);
+        assert_eq!(s, HealthStatus::Degraded);
+        assert_eq!(reasons.len(), 2, "{reasons:?}");
+    }
+}

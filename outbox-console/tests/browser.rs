@@ -1,0 +1,341 @@
+//! The console in a real browser: headless Chromium driven over WebDriver
+//! (chromedriver) with fantoccini. An operator opens the console, finds a
+//! poisoned message, retries it through the confirmation page, and a
+//! running `outbox::Relay` delivers it; the message's `<script>` payload
+//! shows as text and never runs. Screenshots are kept under
+//! `target/console/`.
+//!
+//! Needs Debian's `chromium` and `chromium-driver` (`apt-get install -y
+//! chromium chromium-driver`; `.ci/run` installs them). Without them this
+//! test fails, saying so. `CHROMEDRIVER` and `CHROMIUM` override the paths.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use outbox::memory::{MemoryStore, MemoryTransport};
+use outbox::{MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store};
+use outbox_console::Console;
+use serde_json::json;
+use tokio::time::Instant;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+const SCRIPT_PAYLOAD: &str =
+    r#"{"note":"<script>document.title='pwned';window.pwned=true</script>"}"#;
+
+fn find(var: &str, candidates: &[&str], package: &str) -> PathBuf {
+    let from_env = std::env::var_os(var).map(PathBuf::from);
+    if let Some(p) = from_env.as_ref().filter(|p| p.exists()) {
+        return p.clone();
+    }
+    if from_env.is_none() {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        for name in candidates {
+            let direct = Path::new(name);
+            if direct.is_absolute() && direct.exists() {
+                return direct.to_owned();
+            }
+            for dir in std::env::split_paths(&path) {
+                let p = dir.join(name);
+                if p.exists() {
+                    return p;
+                }
+            }
+        }
+    }
+    let looked = match from_env {
+        Some(p) => format!("{var}={} does not exist", p.display()),
+        None => format!("{} not found, {var} not set", candidates.join(" / ")),
+    };
+    panic!(
+        "the browser test needs {package} ({looked}). Install Debian's packages with \
+         `apt-get install -y chromium chromium-driver` (as .ci/run does), or point {var} at \
+         the binary."
+    );
+}
+
+/// Polls `cond` until it holds, or fails after `DEADLINE` saying `what`.
+async fn wait_until<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A chromedriver child on a free loopback port, killed on drop.
+struct Driver {
+    _child: tokio::process::Child,
+    url: String,
+}
+
+async fn start_driver() -> Driver {
+    let binary = find(
+        "CHROMEDRIVER",
+        &["/usr/bin/chromedriver", "chromedriver"],
+        "chromedriver",
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = tokio::process::Command::new(&binary)
+        .arg(format!("--port={port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    wait_until("chromedriver to listen", || async move {
+        tokio::net::TcpStream::connect(addr).await.is_ok()
+    })
+    .await;
+    Driver {
+        _child: child,
+        url: format!("http://{addr}"),
+    }
+}
+
+async fn browser(driver: &Driver, profile: &Path) -> Client {
+    let chromium = find("CHROMIUM", &["/usr/bin/chromium", "chromium"], "chromium");
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        json!({
+            "binary": chromium,
+            "args": [
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-dev-shm-usage",
+                "--window-size=1200,720",
+                format!("--user-data-dir={}", profile.display()),
+            ],
+        }),
+    );
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(&driver.url)
+        .await
+        .unwrap_or_else(|e| panic!("chromedriver at {} did not start Chromium: {e}", driver.url))
+}
+
+fn artifacts() -> PathBuf {
+    // CARGO_TARGET_TMPDIR is target/tmp; the artifacts go beside it.
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .parent()
+        .unwrap()
+        .join("console");
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+async fn text_of(c: &Client, css: &str) -> String {
+    let url = c.current_url().await.map(|u| u.to_string());
+    c.find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("no {css} on {url:?}: {e}"))
+        .text()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_retries_a_poisoned_message_in_a_browser_and_the_relay_delivers_it() {
+    let driver = start_driver().await;
+
+    // An outbox with a relay whose broker refuses `Fragile` messages: the
+    // `<script>` one is poisoned after five attempts.
+    let store = MemoryStore::new();
+    let (broker, broker_handle) = MemoryTransport::new();
+    broker_handle.reject_type("Fragile");
+    let relay = Relay::builder(store.clone())
+        .transport(broker)
+        .retry_policy(RetryPolicy::NextRound)
+        .poll_interval(Duration::from_millis(50))
+        .spawn()
+        .unwrap();
+    let mut tx = store.begin();
+    for n in 0..12 {
+        tx.enqueue(
+            NewMessage::json(
+                outbox::MessageKind::Integration,
+                "OrderPlaced",
+                &json!({ "order": n }),
+            )
+            .unwrap()
+            .key(format!("order-{n}")),
+        )
+        .unwrap();
+    }
+    for n in 0..3 {
+        tx.enqueue(
+            NewMessage::json(
+                outbox::MessageKind::Integration,
+                "InvoiceDue",
+                &json!({ "invoice": n }),
+            )
+            .unwrap()
+            .delay(Duration::from_secs(3600)),
+        )
+        .unwrap();
+    }
+    let poisoned = tx
+        .enqueue(
+            NewMessage::new(
+                outbox::MessageKind::Integration,
+                "Fragile",
+                SCRIPT_PAYLOAD.as_bytes().to_vec(),
+            )
+            .content_type("application/json")
+            .key("cart-7")
+            .header("tenant", "acme"),
+        )
+        .unwrap();
+    tx.commit().unwrap();
+    wait_until("the Fragile message to be poisoned", || {
+        let store = store.clone();
+        async move { Store::stats(&store).await.unwrap().poisoned == 1 }
+    })
+    .await;
+    // The broker takes it from now on; only the operator's retry can send it.
+    broker_handle.accept_all();
+
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let console = Console::new()
+        .outbox("orders", Arc::new(store.clone()) as Arc<dyn OperatorStore>)
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(outbox_console::serve_on(listener, console, async {
+        let _ = stopped.await;
+    }));
+
+    let profile = tempfile::tempdir().unwrap();
+    let c = browser(&driver, profile.path()).await;
+
+    // The overview: counts and health; its screenshot is the artifact.
+    c.goto(&format!("{base}/")).await.unwrap();
+    let overview = text_of(&c, "main table").await;
+    assert!(
+        overview.contains("orders") && overview.contains("degraded"),
+        "{overview}"
+    );
+    let dir = artifacts();
+    std::fs::write(dir.join("overview.png"), c.screenshot().await.unwrap()).unwrap();
+
+    // Find the poisoned message: the outbox's poisoned list, then its row.
+    c.find(Locator::Css(
+        r#"main a[href="/orders/messages?state=poisoned"]"#,
+    ))
+    .await
+    .unwrap()
+    .click()
+    .await
+    .unwrap();
+    let list = text_of(&c, "main table").await;
+    assert!(
+        list.contains("Fragile") && list.contains(&poisoned.to_string()),
+        "{list}"
+    );
+    std::fs::write(dir.join("poisoned.png"), c.screenshot().await.unwrap()).unwrap();
+    c.find(Locator::LinkText(&poisoned.to_string()))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+
+    // The detail page: the payload is text, and its script never ran.
+    let payload = text_of(&c, "pre.payload").await;
+    assert!(
+        payload.contains("<script>document.title='pwned';window.pwned=true</script>"),
+        "the payload shows as text: {payload}"
+    );
+    let title = c.title().await.unwrap();
+    assert_eq!(title, format!("Message {poisoned} · outbox console"));
+    let ran = c
+        .execute(
+            "return [window.pwned === true, document.scripts.length]",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(ran, json!([false, 0]), "no script element, nothing ran");
+    std::fs::write(dir.join("message.png"), c.screenshot().await.unwrap()).unwrap();
+
+    // Retry: the link leads to a confirmation page, which changes nothing…
+    c.find(Locator::LinkText("Retry…"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let heading = text_of(&c, "h1").await;
+    assert!(heading.starts_with("Confirm: retry"), "{heading}");
+    std::fs::write(dir.join("confirm.png"), c.screenshot().await.unwrap()).unwrap();
+    let m = store.get(poisoned).await.unwrap().unwrap();
+    assert_eq!(
+        m.state,
+        MessageState::Poisoned,
+        "not before the confirmation"
+    );
+    // …until the operator confirms.
+    c.find(Locator::Css("form.actions button[type=submit]"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    // The POST answers with a redirect to the message; wait for that page.
+    let landed = c
+        .wait()
+        .at_most(DEADLINE)
+        .for_element(Locator::Css("p.flash"))
+        .await;
+    if let Err(e) = landed {
+        panic!(
+            "no result page after confirming ({e}): {}",
+            c.source().await.unwrap()
+        );
+    }
+    let flash = text_of(&c, "p.flash").await;
+    assert_eq!(flash, "Retried.");
+
+    // The running relay delivers it, and the page says so on reload.
+    wait_until("the relay to deliver the retried message", || {
+        let delivered = broker_handle.delivered_ids();
+        async move { delivered.contains(&poisoned) }
+    })
+    .await;
+    wait_until("the message to be marked processed", || {
+        let store = store.clone();
+        async move { store.get(poisoned).await.unwrap().unwrap().state == MessageState::Processed }
+    })
+    .await;
+    c.refresh().await.unwrap();
+    let details = text_of(&c, "main table").await;
+    assert!(details.contains("processed"), "{details}");
+    assert!(
+        details.contains("retried by outbox-console (127.0.0.1)"),
+        "{details}"
+    );
+
+    c.close().await.unwrap();
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
+    relay.shutdown().await;
+}
