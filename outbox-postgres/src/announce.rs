@@ -61,6 +61,8 @@ struct Inner {
     channel: String,
     local: Wakeup,
     debounce: Duration,
+    /// Whether enqueues are watched and announced at all.
+    enabled: bool,
     state: Mutex<State>,
     kick: Arc<Notify>,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -75,7 +77,13 @@ struct State {
 }
 
 impl Announcer {
-    pub(crate) fn new(pool: PgPool, sql: Arc<Sql>, local: Wakeup, debounce: Duration) -> Self {
+    pub(crate) fn new(
+        pool: PgPool,
+        sql: Arc<Sql>,
+        local: Wakeup,
+        debounce: Duration,
+        enabled: bool,
+    ) -> Self {
         Announcer {
             inner: Arc::new(Inner {
                 pool,
@@ -83,6 +91,7 @@ impl Announcer {
                 sql,
                 local,
                 debounce,
+                enabled,
                 state: Mutex::new(State::default()),
                 kick: Arc::new(Notify::new()),
                 task: Mutex::new(None),
@@ -98,6 +107,9 @@ impl Announcer {
     /// Watches transaction `xid` (as `pg_current_xact_id()` printed it)
     /// until it ends; announces it if it committed.
     pub(crate) fn watch(&self, xid: &str) {
+        if !self.inner.enabled {
+            return;
+        }
         let Ok(xid) = xid.parse::<u64>() else {
             tracing::debug!(xid, "unexpected transaction id; announcing at once");
             return self.committed();

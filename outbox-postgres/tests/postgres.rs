@@ -495,3 +495,19 @@ async fn the_claim_plan_uses_the_partial_indexes() {
     assert!(plan.contains("test_outbox_key_idx"), "{plan}");
     assert!(!plan.contains("Seq Scan"), "{plan}");
 }
+
+/// With `announce_commits(false)` an enqueue is neither watched nor
+/// notified: relays find it by polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_announcements_a_commit_wakes_nobody() {
+    let f = PgUnderTest::fresh_with(None, |b| b.announce_commits(false)).await;
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&f.pg().channel()).await.unwrap();
+    let mut listener = f.pg().listen();
+    // Its LISTEN connection reports a change once it is up.
+    while listener.wait(Duration::from_millis(300)).await {}
+    f.enqueue(vec![msg(1)]).await;
+    assert!(!listener.wait(Duration::from_millis(300)).await);
+    assert!(!notified(&mut raw, Duration::from_millis(100)).await);
+    assert_eq!(f.pg().claim(&claim(10)).await.unwrap().len(), 1);
+}
