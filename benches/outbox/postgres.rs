@@ -238,6 +238,11 @@ async fn enqueue_overhead(quick: bool) -> Vec<Figure> {
             )
             .beside("the same tx + a raw INSERT of the same row", raw),
         );
+        // A fixture of its own, so that the sqlx pool's connections are
+        // closed before the tokio-postgres clients open theirs.
+        drop(f);
+        let f = fixture(|b| b).await;
+        let outbox = f.pg().outbox();
         let mut clients = Vec::new();
         for _ in 0..writers {
             clients.push(Arc::new(tokio::sync::Mutex::new(
