@@ -23,7 +23,7 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// [`WakeUp::PollOnly`]).
 pub const DEFAULT_POLL: Duration = Duration::from_millis(500);
 /// At most one `NOTIFY` per table per this interval from one process.
-pub const DEFAULT_NOTIFY_DEBOUNCE: Duration = Duration::from_millis(50);
+pub const DEFAULT_NOTIFY_DEBOUNCE: Duration = Duration::from_millis(5);
 
 /// Where a store's connections come from.
 enum Source {
