@@ -3,7 +3,7 @@
 //! send. Each message gets its own span and its own outcome.
 
 use std::panic::AssertUnwindSafe;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use outbox_api::{HandlerOutcome, Message, Outcome, panic_message, run_guarded};
@@ -72,10 +72,39 @@ impl Relay {
         span
     }
 
+    /// Records one message's delivery outcome in the metrics: the outcome
+    /// counters, the duration of its handler run or send, and on delivery
+    /// the lag since its commit.
+    fn meter_outcome(
+        &self,
+        m: &Message,
+        outcome: &DeliveryOutcome,
+        rejected: bool,
+        took: Duration,
+    ) {
+        let t = self.inner.meter.of(m);
+        t.duration.record(took.as_secs_f64());
+        match outcome {
+            DeliveryOutcome::Delivered => {
+                t.delivered.increment(1);
+                t.lag.record(self.now().since(m.created_at).as_secs_f64());
+            }
+            DeliveryOutcome::Failed(_) => {
+                t.failed.increment(1);
+                if rejected {
+                    t.rejected.increment(1);
+                }
+            }
+            DeliveryOutcome::HandlerUnavailable { .. } => t.released_unavailable.increment(1),
+            DeliveryOutcome::TransportUnavailable(_) => t.released_outage.increment(1),
+        }
+    }
+
     /// Runs the domain handlers of `m`, guarded: an error, panic or
     /// timeout is a counted failure of `m` alone.
     pub(super) async fn dispatch_one(&self, m: &Message) -> DeliveryOutcome {
         let span = Self::delivery_span(m);
+        let started = Instant::now();
         let outcome = match &self.inner.dispatcher {
             None => DeliveryOutcome::Failed("no dispatcher configured for domain messages".into()),
             Some(dispatcher) => {
@@ -86,6 +115,7 @@ impl Relay {
             }
         };
         span.record("outcome", outcome.name());
+        self.meter_outcome(m, &outcome, false, started.elapsed());
         outcome
     }
 
@@ -94,10 +124,15 @@ impl Relay {
     /// messages count as unavailable (sent again later, uncounted).
     pub(super) async fn send(&self, msgs: &[Message]) -> Vec<DeliveryOutcome> {
         let spans: Vec<Span> = msgs.iter().map(Self::delivery_span).collect();
+        let started = Instant::now();
         let Some(transport) = &self.inner.transport else {
             return msgs
                 .iter()
-                .map(|_| DeliveryOutcome::TransportUnavailable("no transport configured".into()))
+                .map(|m| {
+                    let o = DeliveryOutcome::TransportUnavailable("no transport configured".into());
+                    self.meter_outcome(m, &o, false, started.elapsed());
+                    o
+                })
                 .collect();
         };
         let timeout = self.inner.config.handler_timeout;
@@ -131,10 +166,13 @@ impl Relay {
                 Outcome::Unavailable("transport returned no outcome".into()),
             );
         }
+        let took = started.elapsed();
         outcomes
             .into_iter()
             .zip(spans)
-            .map(|(o, span)| {
+            .zip(msgs)
+            .map(|((o, span), m)| {
+                let rejected = matches!(o, Outcome::Rejected(_));
                 let r = match o {
                     Outcome::Delivered => DeliveryOutcome::Delivered,
                     Outcome::Rejected(e) => {
@@ -143,6 +181,7 @@ impl Relay {
                     Outcome::Unavailable(e) => DeliveryOutcome::TransportUnavailable(e),
                 };
                 span.record("outcome", r.name());
+                self.meter_outcome(m, &r, rejected, took);
                 r
             })
             .collect()

@@ -274,6 +274,7 @@ impl<'a> Scheduler<'a> {
         let lease_until = self.round_lease_until.take();
         match round.claimed {
             Some(messages) => {
+                self.relay.inner.meter.claimed(messages.len());
                 let limit = self.config().batch_size;
                 // A commit announced while the claim ran may not be in it.
                 self.exhausted =
