@@ -5,7 +5,7 @@
 //! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, else the local
 //! default if it answers; without a broker their row says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, sqlite, sqlite-latency, rabbitmq; a name selects every group
+//! (memory, memory-metrics, sqlite, sqlite-latency, rabbitmq; a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
@@ -38,6 +38,9 @@ fn main() {
     rt.block_on(async {
         if wanted("memory") {
             figures.extend(memory::figures(quick).await);
+        }
+        if wanted("memory-metrics") {
+            figures.extend(memory::metrics_figures(quick).await);
         }
         if wanted("sqlite") {
             figures.extend(sqlite::figures(quick).await);

@@ -3,7 +3,7 @@
 //! send. Each message gets its own span and its own outcome.
 
 use std::panic::AssertUnwindSafe;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use outbox_api::{HandlerOutcome, Message, Outcome, panic_message, run_guarded};
@@ -16,9 +16,12 @@ use super::Relay;
 pub(super) enum DeliveryOutcome {
     /// The handler returned `Ok` / the broker confirmed it.
     Delivered,
-    /// The message's own fault (handler error, panic, timeout, broker
-    /// rejection): counts as an attempt.
+    /// The message's own fault (handler error, panic, timeout): counts as
+    /// an attempt.
     Failed(String),
+    /// The broker refused the message (nack, unroutable, too large): the
+    /// message's fault too, counted like `Failed`.
+    Rejected(String),
     /// The handler said it is temporarily unavailable: retried after a
     /// backoff, not counted.
     HandlerUnavailable {
@@ -34,6 +37,7 @@ impl DeliveryOutcome {
         match self {
             DeliveryOutcome::Delivered => "delivered",
             DeliveryOutcome::Failed(_) => "failed",
+            DeliveryOutcome::Rejected(_) => "rejected",
             DeliveryOutcome::HandlerUnavailable { .. } => "handler unavailable",
             DeliveryOutcome::TransportUnavailable(_) => "transport unavailable",
         }
@@ -72,39 +76,10 @@ impl Relay {
         span
     }
 
-    /// Records one message's delivery outcome in the metrics: the outcome
-    /// counters, the duration of its handler run or send, and on delivery
-    /// the lag since its commit.
-    fn meter_outcome(
-        &self,
-        m: &Message,
-        outcome: &DeliveryOutcome,
-        rejected: bool,
-        took: Duration,
-    ) {
-        let t = self.inner.meter.of(m);
-        t.duration.record(took.as_secs_f64());
-        match outcome {
-            DeliveryOutcome::Delivered => {
-                t.delivered.increment(1);
-                t.lag.record(self.now().since(m.created_at).as_secs_f64());
-            }
-            DeliveryOutcome::Failed(_) => {
-                t.failed.increment(1);
-                if rejected {
-                    t.rejected.increment(1);
-                }
-            }
-            DeliveryOutcome::HandlerUnavailable { .. } => t.released_unavailable.increment(1),
-            DeliveryOutcome::TransportUnavailable(_) => t.released_outage.increment(1),
-        }
-    }
-
     /// Runs the domain handlers of `m`, guarded: an error, panic or
     /// timeout is a counted failure of `m` alone.
     pub(super) async fn dispatch_one(&self, m: &Message) -> DeliveryOutcome {
         let span = Self::delivery_span(m);
-        let started = Instant::now();
         let outcome = match &self.inner.dispatcher {
             None => DeliveryOutcome::Failed("no dispatcher configured for domain messages".into()),
             Some(dispatcher) => {
@@ -115,7 +90,6 @@ impl Relay {
             }
         };
         span.record("outcome", outcome.name());
-        self.meter_outcome(m, &outcome, false, started.elapsed());
         outcome
     }
 
@@ -124,15 +98,10 @@ impl Relay {
     /// messages count as unavailable (sent again later, uncounted).
     pub(super) async fn send(&self, msgs: &[Message]) -> Vec<DeliveryOutcome> {
         let spans: Vec<Span> = msgs.iter().map(Self::delivery_span).collect();
-        let started = Instant::now();
         let Some(transport) = &self.inner.transport else {
             return msgs
                 .iter()
-                .map(|m| {
-                    let o = DeliveryOutcome::TransportUnavailable("no transport configured".into());
-                    self.meter_outcome(m, &o, false, started.elapsed());
-                    o
-                })
+                .map(|_| DeliveryOutcome::TransportUnavailable("no transport configured".into()))
                 .collect();
         };
         let timeout = self.inner.config.handler_timeout;
@@ -166,22 +135,18 @@ impl Relay {
                 Outcome::Unavailable("transport returned no outcome".into()),
             );
         }
-        let took = started.elapsed();
         outcomes
             .into_iter()
             .zip(spans)
-            .zip(msgs)
-            .map(|((o, span), m)| {
-                let rejected = matches!(o, Outcome::Rejected(_));
+            .map(|(o, span)| {
                 let r = match o {
                     Outcome::Delivered => DeliveryOutcome::Delivered,
                     Outcome::Rejected(e) => {
-                        DeliveryOutcome::Failed(format!("rejected by the broker: {e}"))
+                        DeliveryOutcome::Rejected(format!("rejected by the broker: {e}"))
                     }
                     Outcome::Unavailable(e) => DeliveryOutcome::TransportUnavailable(e),
                 };
                 span.record("outcome", r.name());
-                self.meter_outcome(m, &r, rejected, took);
                 r
             })
             .collect()

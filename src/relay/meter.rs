@@ -17,6 +17,8 @@ use crate::metrics as m;
 
 /// One message type's handles.
 pub(super) struct TypeMeter {
+    kind: MessageKind,
+    message_type: String,
     pub delivered: Counter,
     pub failed: Counter,
     pub rejected: Counter,
@@ -27,6 +29,13 @@ pub(super) struct TypeMeter {
     /// `messaging.process.duration` (domain) or
     /// `messaging.client.operation.duration` (integration).
     pub duration: Histogram,
+}
+
+impl TypeMeter {
+    /// Whether these are the handles of `message`'s kind and type.
+    pub(super) fn is(&self, message: &Message) -> bool {
+        self.kind == message.kind && self.message_type == message.message_type
+    }
 }
 
 /// The relay's handles.
@@ -79,12 +88,12 @@ impl Meter {
         if let Some(t) = map.get(message.message_type.as_str()) {
             return t.clone();
         }
-        let t = Arc::new(self.register(kind, &message.message_type));
+        let t = Arc::new(self.register(message.kind, kind, &message.message_type));
         map.insert(message.message_type.clone(), t.clone());
         t
     }
 
-    fn register(&self, kind: &'static str, message_type: &str) -> TypeMeter {
+    fn register(&self, k: MessageKind, kind: &'static str, message_type: &str) -> TypeMeter {
         let outbox = self.outbox.clone();
         let ty = SharedString::from(message_type.to_owned());
         let labels = || {
@@ -100,7 +109,8 @@ impl Meter {
             l.push((m::RELEASE_REASON, SharedString::const_str(reason)));
             counter!(m::RELEASED, &l)
         };
-        let (op, duration_name) = if kind == "domain" {
+        let domain = kind == "domain";
+        let (op, duration_name) = if domain {
             ("process", m::PROCESS_DURATION)
         } else {
             ("send", m::OPERATION_DURATION)
@@ -108,13 +118,30 @@ impl Meter {
         let mut duration_labels = labels().to_vec();
         duration_labels.push((m::OPERATION_NAME, SharedString::const_str(op)));
         duration_labels.push((m::OPERATION_TYPE, SharedString::const_str(op)));
+        // Only what can happen to the kind is registered (a domain message
+        // is never rejected by a broker, nor held back by an outage; an
+        // integration message has no handler to be unavailable).
         TypeMeter {
+            kind: k,
+            message_type: message_type.to_owned(),
             delivered: counter_of(m::DELIVERED),
             failed: counter_of(m::FAILED),
-            rejected: counter_of(m::REJECTED),
+            rejected: if domain {
+                Counter::noop()
+            } else {
+                counter_of(m::REJECTED)
+            },
             poisoned: counter_of(m::POISONED),
-            released_outage: released("outage"),
-            released_unavailable: released("handler_unavailable"),
+            released_outage: if domain {
+                Counter::noop()
+            } else {
+                released("outage")
+            },
+            released_unavailable: if domain {
+                released("handler_unavailable")
+            } else {
+                Counter::noop()
+            },
             lag: histogram!(m::DELIVERY_LAG, &labels()),
             duration: histogram!(duration_name, &duration_labels),
         }
