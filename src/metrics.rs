@@ -59,9 +59,9 @@ pub const DELIVERY_LAG: &str = "outbox.delivery.lag";
 /// Histogram (seconds, OpenTelemetry): how long a domain message's handlers
 /// ran, whatever the outcome.
 pub const PROCESS_DURATION: &str = "messaging.process.duration";
-/// Histogram (seconds, OpenTelemetry): how long the transport send that
-/// carried an integration message took (recorded once per message of the
-/// send), whatever the outcome.
+/// Histogram (seconds, OpenTelemetry): how long a transport send took,
+/// whatever the outcome — one value per send (an operation that carries
+/// several messages), labelled with each message type it carried.
 pub const OPERATION_DURATION: &str = "messaging.client.operation.duration";
 /// Histogram (messages): how many messages each claim returned (empty
 /// claims included: a relay that keeps finding nothing shows zeros).

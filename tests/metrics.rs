@@ -146,7 +146,8 @@ fn the_relay_records_outcomes_durations_claims_and_the_backlog() {
         assert_eq!(lag("domain", "Ok"), vec![3.0, 3.0]);
         assert_eq!(lag("integration", "Shipped"), vec![3.0]);
         assert_eq!(lag("domain", "Boom"), Vec::<f64>::new());
-        // One handler / send duration per attempt, whatever its outcome.
+        // One duration per handler run or send, whatever its outcome: Shipped
+        // and Refused went out in one send in round 1, then each alone.
         let process = [
             (m::OPERATION_NAME, "process"),
             (m::OPERATION_TYPE, "process"),

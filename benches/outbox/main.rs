@@ -5,7 +5,8 @@
 //! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, else the local
 //! default if it answers; without a broker their row says NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, memory-metrics, sqlite, sqlite-latency, rabbitmq; a name selects every group
+//! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, rabbitmq;
+//! a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
@@ -46,6 +47,9 @@ fn main() {
             figures.extend(sqlite::figures(quick).await);
         } else if wanted("sqlite-drain") {
             figures.extend(sqlite::drain_figures(quick).await.0);
+        }
+        if wanted("sqlite-metrics") {
+            figures.extend(sqlite::metrics_figures(quick).await);
         }
         if wanted("sqlite-latency") {
             figures.extend(sqlite_latency::figures(quick).await);

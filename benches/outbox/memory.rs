@@ -11,7 +11,9 @@ use outbox::{
     Relay, Release, Stats, Store, Timestamp,
 };
 
-use crate::common::{Figure, counting_handlers, drain_rate, histogram, latency_rows};
+use crate::common::{
+    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_on_off,
+};
 
 /// Enqueues `n` messages made by `make` in one transaction.
 pub fn fill_with(store: &MemoryStore, n: usize, make: impl Fn(usize) -> NewMessage) {
@@ -325,62 +327,17 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
     out
 }
 
-/// One drain of `n` on a current-thread runtime, with `recorder` installed
-/// for this thread only when given (so the off runs record nothing).
-fn drain_recorded(
-    rt: &tokio::runtime::Runtime,
-    n: usize,
-    batch: usize,
-    recorder: Option<&metrics_exporter_prometheus::PrometheusRecorder>,
-) -> f64 {
-    let run = || rt.block_on(drain(n, batch));
-    match recorder {
-        Some(r) => metrics::with_local_recorder(r, run),
-        None => run(),
-    }
-}
-
 /// Drain throughput with a Prometheus recorder installed beside the same
-/// drain without one (group `memory-metrics`): each round runs both, in
-/// alternating order; each side's median is the figure. On its own thread with a
-/// current-thread runtime, since a local recorder covers one thread.
+/// drain without one (group `memory-metrics`): the relay's own cost with
+/// no database to hide it, the worst case for the recorder.
 pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
     let n = if quick { 10_000 } else { 100_000 };
     let rounds = if quick { 3 } else { 15 };
     let batch = 100;
-    let (on, off, scrape) = tokio::task::spawn_blocking(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
+    let (on, off) =
+        tokio::task::spawn_blocking(move || metrics_on_off(n, rounds, move || drain(n, batch)))
+            .await
             .unwrap();
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        metrics::with_local_recorder(&recorder, outbox::metrics::describe);
-        // Warm both paths once.
-        drain_recorded(&rt, n / 10, batch, None);
-        drain_recorded(&rt, n / 10, batch, Some(&recorder));
-        let (mut on, mut off) = (Vec::new(), Vec::new());
-        // Which goes first alternates, so neither side always follows the other.
-        for round in 0..rounds {
-            if round % 2 == 0 {
-                off.push(drain_recorded(&rt, n, batch, None));
-                on.push(drain_recorded(&rt, n, batch, Some(&recorder)));
-            } else {
-                on.push(drain_recorded(&rt, n, batch, Some(&recorder)));
-                off.push(drain_recorded(&rt, n, batch, None));
-            }
-        }
-        (median(on), median(off), handle.render())
-    })
-    .await
-    .unwrap();
-    // The "on" runs did record: the scrape counts every delivery.
-    let delivered = (n / 10 + rounds * n).to_string();
-    let line = scrape
-        .lines()
-        .find(|l| l.starts_with("outbox_messages_delivered{"))
-        .unwrap_or_else(|| panic!("no delivered counter in the scrape:\n{scrape}"));
-    assert!(line.ends_with(&format!(" {delivered}")), "{line}");
     vec![
         Figure::new(
             format!(
@@ -392,9 +349,4 @@ pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
         )
         .beside("the same drain without a recorder", off),
     ]
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }

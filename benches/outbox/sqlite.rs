@@ -13,7 +13,9 @@ use outbox_sqlite::SqliteStore;
 use outbox_sqlite::rusqlite::{self, TransactionBehavior, params};
 use outbox_sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
 
-use crate::common::{Figure, counting_handlers, drain_rate, histogram, latency_rows};
+use crate::common::{
+    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_on_off,
+};
 
 pub async fn open(dir: &Path) -> SqliteStore {
     let store = SqliteStore::open(dir.join("bench.db")).await.unwrap();
@@ -386,6 +388,30 @@ pub async fn drain_figures(quick: bool) -> (Vec<Figure>, f64) {
         );
     }
     (out, capacity)
+}
+
+/// Drain throughput with a Prometheus recorder installed beside the same
+/// drain without one (group `sqlite-metrics`): the cost of metrics on the
+/// drain as an application with a database sees it.
+pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
+    let n = if quick { 10_000 } else { 100_000 };
+    let rounds = if quick { 1 } else { 5 };
+    let batch = 100;
+    let (on, off) =
+        tokio::task::spawn_blocking(move || metrics_on_off(n, rounds, move || drain(n, batch)))
+            .await
+            .unwrap();
+    vec![
+        Figure::new(
+            format!(
+                "drain {n} to an in-process handler, SQLite, batch {batch}, Prometheus recorder installed, median of {rounds}"
+            ),
+            on,
+            "msg/s",
+            "ratio ≥ 0.95",
+        )
+        .beside("the same drain without a recorder", off),
+    ]
 }
 
 pub async fn figures(quick: bool) -> Vec<Figure> {

@@ -382,23 +382,35 @@ impl<'a> Scheduler<'a> {
 
     /// A delivery ended (at `now`, for the lag metric).
     fn finished_all(&mut self, (results, took): Done, now: Timestamp) {
+        // One duration per operation: a handler run, or a send (once per
+        // message type it carried).
+        let mut timed: Vec<usize> = Vec::new();
         for (m, outcome) in results {
-            self.meter(&m, &outcome, took, now);
+            let i = self.meter_index(&m);
+            if !timed.contains(&i) {
+                timed.push(i);
+                self.meters[i].duration.record(took.as_secs_f64());
+            }
+            self.meter(i, &m, &outcome, now);
             self.finished(m, outcome);
         }
     }
 
-    /// Records one message's delivery in the metrics: its outcome, how long
-    /// its handler run or send took, and on delivery the lag since commit.
-    fn meter(&mut self, m: &Message, outcome: &DeliveryOutcome, took: Duration, now: Timestamp) {
-        let t = match self.meters.iter().find(|t| t.is(m)) {
-            Some(t) => t,
+    /// The position in `meters` of the handles of `m`'s kind and type.
+    fn meter_index(&mut self, m: &Message) -> usize {
+        match self.meters.iter().position(|t| t.is(m)) {
+            Some(i) => i,
             None => {
                 self.meters.push(self.relay.inner.meter.of(m));
-                self.meters.last().expect("just pushed")
+                self.meters.len() - 1
             }
-        };
-        t.duration.record(took.as_secs_f64());
+        }
+    }
+
+    /// Records one message's delivery outcome in the metrics, and on
+    /// delivery the lag since its commit.
+    fn meter(&self, i: usize, m: &Message, outcome: &DeliveryOutcome, now: Timestamp) {
+        let t = &self.meters[i];
         match outcome {
             DeliveryOutcome::Delivered => {
                 t.delivered.increment(1);
