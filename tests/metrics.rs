@@ -47,13 +47,18 @@ fn integration(ty: &str) -> NewMessage {
     NewMessage::new(MessageKind::Integration, ty, b"{}".to_vec())
 }
 
+/// A memory store whose time, and the relay's, moves only when told.
+fn store_on_a_manual_clock() -> (Arc<ManualClock>, MemoryStore) {
+    let clock = Arc::new(ManualClock::new(Timestamp::from_millis(1_800_000_000_000)));
+    let store = MemoryStore::with_clock(clock.clone());
+    (clock, store)
+}
+
 #[test]
 fn the_relay_records_outcomes_durations_claims_and_the_backlog() {
     let rec = TestRecorder::new();
     rec.block_on(async {
-        let t0 = Timestamp::from_millis(1_800_000_000_000);
-        let clock = Arc::new(ManualClock::new(t0));
-        let store = MemoryStore::with_clock(clock.clone());
+        let (clock, store) = store_on_a_manual_clock();
         let (transport, broker) = MemoryTransport::new();
         broker.reject_type("Refused");
         let handlers = Handlers::new()
@@ -198,9 +203,7 @@ fn the_relay_records_outcomes_durations_claims_and_the_backlog() {
 fn a_running_relay_reads_the_backlog_gauges_by_itself() {
     let rec = TestRecorder::new();
     rec.block_on(async {
-        let t0 = Timestamp::from_millis(1_800_000_000_000);
-        let clock = Arc::new(ManualClock::new(t0));
-        let store = MemoryStore::with_clock(clock.clone());
+        let (clock, store) = store_on_a_manual_clock();
         let mut tx = store.begin();
         for _ in 0..3 {
             tx.enqueue(domain("Waiting")).unwrap();

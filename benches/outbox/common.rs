@@ -166,6 +166,28 @@ pub async fn drain_rate(relay: RelayBuilder, n: usize) -> f64 {
     n as f64 / secs
 }
 
+/// The figure "drain `n` …, `store`, batch 100, Prometheus recorder
+/// installed" beside the same drain without a recorder, measured by
+/// [`metrics_on_off`] on a blocking thread of its own.
+pub async fn metrics_figure<F, Fut>(store: &str, n: usize, rounds: usize, drain: F) -> Figure
+where
+    F: Fn() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = f64>,
+{
+    let (on, off) = tokio::task::spawn_blocking(move || metrics_on_off(n, rounds, drain))
+        .await
+        .unwrap();
+    Figure::new(
+        format!(
+            "drain {n} to an in-process handler, {store}, batch 100, Prometheus recorder installed, median of {rounds}"
+        ),
+        on,
+        "msg/s",
+        "ratio ≥ 0.95",
+    )
+    .beside("the same drain without a recorder", off)
+}
+
 /// Runs `drain` (a drain of `n` messages returning msg/s) `rounds` times
 /// with a Prometheus recorder installed and `rounds` times without, on a
 /// current-thread runtime of the calling (blocking) thread — a local
@@ -174,7 +196,7 @@ pub async fn drain_rate(relay: RelayBuilder, n: usize) -> f64 {
 /// exporter's upkeep runs, as an application runs it every few seconds,
 /// outside the timed drains. Returns each side's median (on, off), after
 /// checking that the recorder saw every delivery of the "on" runs.
-pub fn metrics_on_off<F, Fut>(n: usize, rounds: usize, drain: F) -> (f64, f64)
+fn metrics_on_off<F, Fut>(n: usize, rounds: usize, drain: F) -> (f64, f64)
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = f64>,

@@ -12,7 +12,7 @@ use outbox::{
 };
 
 use crate::common::{
-    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_on_off,
+    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_figure,
 };
 
 /// Enqueues `n` messages made by `make` in one transaction.
@@ -331,22 +331,6 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
 /// drain without one (group `memory-metrics`): the relay's own cost with
 /// no database to hide it, the worst case for the recorder.
 pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
-    let n = if quick { 10_000 } else { 100_000 };
-    let rounds = if quick { 3 } else { 15 };
-    let batch = 100;
-    let (on, off) =
-        tokio::task::spawn_blocking(move || metrics_on_off(n, rounds, move || drain(n, batch)))
-            .await
-            .unwrap();
-    vec![
-        Figure::new(
-            format!(
-                "drain {n} to an in-process handler, memory, batch {batch}, Prometheus recorder installed, median of {rounds}"
-            ),
-            on,
-            "msg/s",
-            "ratio ≥ 0.95",
-        )
-        .beside("the same drain without a recorder", off),
-    ]
+    let (n, rounds) = if quick { (10_000, 3) } else { (100_000, 15) };
+    vec![metrics_figure("memory", n, rounds, move || drain(n, 100)).await]
 }

@@ -14,7 +14,7 @@ use outbox_sqlite::rusqlite::{self, TransactionBehavior, params};
 use outbox_sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
 
 use crate::common::{
-    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_on_off,
+    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_figure,
 };
 
 pub async fn open(dir: &Path) -> SqliteStore {
@@ -394,24 +394,8 @@ pub async fn drain_figures(quick: bool) -> (Vec<Figure>, f64) {
 /// drain without one (group `sqlite-metrics`): the cost of metrics on the
 /// drain as an application with a database sees it.
 pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
-    let n = if quick { 10_000 } else { 100_000 };
-    let rounds = if quick { 1 } else { 5 };
-    let batch = 100;
-    let (on, off) =
-        tokio::task::spawn_blocking(move || metrics_on_off(n, rounds, move || drain(n, batch)))
-            .await
-            .unwrap();
-    vec![
-        Figure::new(
-            format!(
-                "drain {n} to an in-process handler, SQLite, batch {batch}, Prometheus recorder installed, median of {rounds}"
-            ),
-            on,
-            "msg/s",
-            "ratio ≥ 0.95",
-        )
-        .beside("the same drain without a recorder", off),
-    ]
+    let (n, rounds) = if quick { (10_000, 1) } else { (100_000, 5) };
+    vec![metrics_figure("SQLite", n, rounds, move || drain(n, 100)).await]
 }
 
 pub async fn figures(quick: bool) -> Vec<Figure> {

@@ -157,7 +157,13 @@ pub struct ServeArgs {
     /// Require this token on every request (`Authorization: Bearer`, or the
     /// login form); at least 16 bytes, e.g. `openssl rand -hex 32`. Never
     /// printed.
-    #[arg(long, env = outbox_console::TOKEN_ENV, hide_env_values = true, value_name = "TOKEN")]
+    #[arg(
+        long,
+        env = outbox_console::TOKEN_ENV,
+        hide_env_values = true,
+        value_name = "TOKEN",
+        value_parser = |t: &str| Ok::<_, std::convert::Infallible>(ConsoleToken(t.to_owned()))
+    )]
     pub token: Option<ConsoleToken>,
     /// Degraded on the overview when the oldest pending message is older
     /// than this (units s, m, h, d).
@@ -185,14 +191,6 @@ impl ServeArgs {
 /// The console token, never shown (`Debug` included).
 #[derive(Clone)]
 pub struct ConsoleToken(pub String);
-
-impl std::str::FromStr for ConsoleToken {
-    type Err = std::convert::Infallible;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Ok(ConsoleToken(s.to_owned()))
-    }
-}
 
 impl std::fmt::Debug for ConsoleToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
