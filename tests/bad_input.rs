@@ -3,7 +3,8 @@
 //! (empty, non-UTF-8, large). Each message is either refused at enqueue with
 //! an error naming what was wrong — and nothing is written — or accepted and
 //! delivered intact. The relay never panics and never gets stuck. Runs on
-//! memory and SQLite.
+//! memory, SQLite and PostgreSQL; and what SQLite refuses, PostgreSQL
+//! refuses with the same error kind (and accepts what it accepts).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -11,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use outbox::memory::MemoryStore;
 use outbox::{Handlers, Message, MessageKind, NewMessage, Relay};
 use outbox_api::testing::StoreUnderTest;
+use outbox_postgres::testing::PgUnderTest;
 use outbox_sqlite::testing::SqlxUnderTest;
 use proptest::prelude::*;
 
@@ -120,6 +122,26 @@ async fn check(sut: Box<dyn StoreUnderTest>, inputs: Vec<Input>) {
     }
 }
 
+/// Each input alone on SQLite and on PostgreSQL: both accept it, or both
+/// refuse it with the same error kind.
+async fn same_answers(inputs: Vec<Input>) {
+    let sqlite = SqlxUnderTest::fresh(None).await;
+    let pg = PgUnderTest::fresh(None).await;
+    for i in &inputs {
+        let a = sqlite.try_enqueue(vec![build(i)]).await.map(|_| ());
+        let b = pg.try_enqueue(vec![build(i)]).await.map(|_| ());
+        match (&a, &b) {
+            (Ok(()), Ok(())) => {}
+            (Err(x), Err(y)) => assert_eq!(
+                x.kind(),
+                y.kind(),
+                "SQLite: {x}; PostgreSQL: {y}; input {i:?}"
+            ),
+            _ => panic!("SQLite: {a:?}; PostgreSQL: {b:?}; input {i:?}"),
+        }
+    }
+}
+
 fn config() -> ProptestConfig {
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
@@ -144,5 +166,17 @@ proptest! {
     fn any_input_is_refused_clearly_or_delivered_intact_sqlite(inputs in proptest::collection::vec(input(), 1..6)) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
         rt.block_on(async { check(Box::new(SqlxUnderTest::fresh(None).await), inputs).await });
+    }
+
+    #[test]
+    fn any_input_is_refused_clearly_or_delivered_intact_postgres(inputs in proptest::collection::vec(input(), 1..6)) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async { check(Box::new(PgUnderTest::fresh(None).await), inputs).await });
+    }
+
+    #[test]
+    fn postgres_refuses_what_sqlite_refuses_with_the_same_kind(inputs in proptest::collection::vec(input(), 1..6)) {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(same_answers(inputs));
     }
 }

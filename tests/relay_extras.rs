@@ -390,3 +390,44 @@ async fn delivered_messages_are_completed_even_when_the_next_claim_fails() {
         "each handled once"
     );
 }
+
+/// A relay whose runtime is dropped (its task never ends: as a process
+/// killed mid-run looks to this one) frees its worker id, so that a relay
+/// started again under the same id in this process is not refused as a
+/// twin.
+#[test]
+fn a_relay_dropped_with_its_runtime_frees_its_worker_id() {
+    let store = MemoryStore::new();
+    let id = format!("dropped-with-runtime-{}", std::process::id());
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let handle = first.block_on(async {
+        Relay::builder(store.clone())
+            .dispatcher(Handlers::new())
+            .worker_id(id.clone())
+            .spawn()
+            .unwrap()
+    });
+    // Neither shut down nor dropped first: the runtime goes with the task.
+    std::mem::forget(handle);
+    drop(first);
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        let again = Relay::builder(store.clone())
+            .dispatcher(Handlers::new())
+            .worker_id(id.clone())
+            .spawn()
+            .expect("the id of a relay gone with its runtime is free again");
+        let twin = Relay::builder(store)
+            .dispatcher(Handlers::new())
+            .worker_id(id)
+            .spawn();
+        assert!(twin.is_err(), "a live relay's id is still refused");
+        again.shutdown().await;
+    });
+}

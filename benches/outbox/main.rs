@@ -2,17 +2,19 @@
 //! beside a baseline measured in the same run where one applies. Prints a
 //! table and writes `target/outbox-bench/summary.json`.
 //! `OUTBOX_BENCH_QUICK=1` runs a smoke version (CI runs it so the benches
-//! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, else the local
-//! default if it answers; without a broker their row says NOT MEASURED.
+//! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, PostgreSQL figures
+//! `OUTBOX_PG_URL`, else the local default if it answers; without the
+//! service their rows say NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, rabbitmq;
-//! a name selects every group
+//! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, postgres,
+//! rabbitmq; a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
 mod common;
 mod latency_trace;
 mod memory;
+mod postgres;
 mod rabbit;
 mod sqlite;
 mod sqlite_latency;
@@ -53,6 +55,9 @@ fn main() {
         }
         if wanted("sqlite-latency") {
             figures.extend(sqlite_latency::figures(quick).await);
+        }
+        if wanted("postgres") {
+            figures.extend(postgres::figures(quick).await);
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);

@@ -42,17 +42,17 @@ impl Driver {
 
 /// Per-message times of one run, µs since the run's base instant (0: not
 /// reached).
-struct Times {
-    scheduled: Vec<u64>,
-    began: Vec<AtomicU64>,
+pub struct Times {
+    pub scheduled: Vec<u64>,
+    pub began: Vec<AtomicU64>,
     /// Just before COMMIT.
-    committing: Vec<AtomicU64>,
-    committed: Vec<AtomicU64>,
-    handled: Vec<AtomicU64>,
+    pub committing: Vec<AtomicU64>,
+    pub committed: Vec<AtomicU64>,
+    pub handled: Vec<AtomicU64>,
 }
 
 impl Times {
-    fn new(n: usize, period_us: f64, lead_us: u64) -> Self {
+    pub fn new(n: usize, period_us: f64, lead_us: u64) -> Self {
         let zeros = || (0..n).map(|_| AtomicU64::new(0)).collect();
         Times {
             scheduled: (0..n)
@@ -65,12 +65,12 @@ impl Times {
         }
     }
 
-    fn hist(&self, of: &[AtomicU64]) -> Histogram<u64> {
+    pub fn hist(&self, of: &[AtomicU64]) -> Histogram<u64> {
         self.between(&self.scheduled, of)
     }
 
     /// `to` − `from` of every message that reached both.
-    fn between(&self, from: &[u64], to: &[AtomicU64]) -> Histogram<u64> {
+    pub fn between(&self, from: &[u64], to: &[AtomicU64]) -> Histogram<u64> {
         let mut h = histogram();
         for (s, t) in from.iter().zip(to) {
             let t = t.load(Ordering::Acquire);
@@ -82,7 +82,7 @@ impl Times {
     }
 
     /// Stamps message `i` in `at` (µs since `base`).
-    fn stamp(at: &[AtomicU64], i: usize, base: Instant) {
+    pub fn stamp(at: &[AtomicU64], i: usize, base: Instant) {
         at[i].store(
             (base.elapsed().as_micros() as u64).max(1),
             Ordering::Release,
@@ -101,7 +101,7 @@ pub struct Run {
 }
 
 impl Run {
-    fn new() -> Self {
+    pub fn new() -> Self {
         Run {
             commit: histogram(),
             handled: histogram(),
@@ -109,7 +109,7 @@ impl Run {
         }
     }
 
-    fn add(&mut self, other: &Run) {
+    pub fn add(&mut self, other: &Run) {
         self.commit.add(&other.commit).unwrap();
         self.handled.add(&other.handled).unwrap();
         self.commit_to_handled
@@ -166,20 +166,11 @@ fn produce(driver: Driver, store: &SqliteStore, times: Arc<Times>, base: Instant
     std::thread::spawn(move || {
         let mut conn = (driver == Driver::Rusqlite).then(|| app_connection(&path));
         let pool = (driver == Driver::Sqlx).then(|| rt.block_on(sqlx_pool(&path)));
-        for (i, scheduled) in times.scheduled.iter().enumerate() {
-            let at = base + Duration::from_micros(*scheduled);
-            if let Some(wait) = at.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-            Times::stamp(&times.began, i, base);
-            let committing = || Times::stamp(&times.committing, i, base);
-            match (&mut conn, &pool) {
-                (Some(conn), _) => commit_rusqlite(conn, &outbox, i, committing),
-                (None, Some(pool)) => rt.block_on(commit_sqlx(pool, &outbox, i, committing)),
-                (None, None) => unreachable!("one driver"),
-            }
-            Times::stamp(&times.committed, i, base);
-        }
+        keep_schedule(&times, base, |i, committing| match (&mut conn, &pool) {
+            (Some(conn), _) => commit_rusqlite(conn, &outbox, i, committing),
+            (None, Some(pool)) => rt.block_on(commit_sqlx(pool, &outbox, i, committing)),
+            (None, None) => unreachable!("one driver"),
+        });
         if let Some(pool) = pool {
             rt.block_on(pool.close());
         }
@@ -187,6 +178,22 @@ fn produce(driver: Driver, store: &SqliteStore, times: Arc<Times>, base: Instant
 }
 
 type Producer = std::thread::JoinHandle<()>;
+
+/// The open-loop schedule, on the calling thread: waits for each message's
+/// scheduled time (never for the previous message's handling), stamps
+/// `began`, runs `commit(i, committing)` — which calls `committing` just
+/// before its COMMIT — and stamps `committed`. Every backend's producer.
+pub fn keep_schedule(times: &Times, base: Instant, mut commit: impl FnMut(usize, &dyn Fn())) {
+    for (i, scheduled) in times.scheduled.iter().enumerate() {
+        let at = base + Duration::from_micros(*scheduled);
+        if let Some(wait) = at.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        Times::stamp(&times.began, i, base);
+        commit(i, &|| Times::stamp(&times.committing, i, base));
+        Times::stamp(&times.committed, i, base);
+    }
+}
 
 /// Runs the producer at `rate` msg/s for `count` messages, with a relay
 /// delivering to an in-process handler if `relay`; `round` names the trace.
@@ -303,7 +310,7 @@ async fn closed_loop(samples: usize, gap: Duration) -> hdrhistogram::Histogram<u
 
 /// `rows` (p50, p99, max of one figure), each beside the same quantile of
 /// `baseline`.
-fn beside(rows: Vec<Figure>, name: &str, baseline: &Histogram<u64>) -> Vec<Figure> {
+pub fn beside(rows: Vec<Figure>, name: &str, baseline: &Histogram<u64>) -> Vec<Figure> {
     let quantiles = [
         ("p50", baseline.value_at_quantile(0.5)),
         ("p99", baseline.value_at_quantile(0.99)),

@@ -29,7 +29,15 @@ pub struct ChildArgs {
     pub concurrency: usize,
     /// The inbox consumer name.
     pub consumer: String,
+    /// On PostgreSQL instead of SQLite: the schema holding the outbox
+    /// (table `outbox`) and the receiver's tables. The database URL is not
+    /// an argument (it may hold a password): the child reads it from
+    /// [`PG_URL_VARIABLE`], which [`RelayChild::spawn_postgres`](crate::RelayChild::spawn_postgres) sets.
+    pub pg_schema: Option<String>,
 }
+
+/// The variable a `relay-child` on PostgreSQL reads its database URL from.
+pub const PG_URL_VARIABLE: &str = "OUTBOX_FAULTS_PG_URL";
 
 impl ChildArgs {
     /// Defaults for a quick child: batch 50, lease 1 s, handler timeout
@@ -50,13 +58,22 @@ impl ChildArgs {
             handler_delay: Duration::ZERO,
             concurrency: 16,
             consumer: "faults".to_owned(),
+            pg_schema: None,
         }
+    }
+
+    /// Defaults as [`new`](Self::new), on PostgreSQL: outbox and receiver
+    /// tables in `schema`.
+    pub fn postgres(schema: impl Into<String>, worker: impl Into<String>) -> Self {
+        let mut a = ChildArgs::new("", "", worker);
+        a.pg_schema = Some(schema.into());
+        a
     }
 
     /// The command-line arguments that [`parse`](Self::parse) reads back.
     pub fn to_args(&self) -> Vec<String> {
         let ms = |d: Duration| d.as_millis().to_string();
-        vec![
+        let mut args: Vec<String> = vec![
             "--outbox-db".into(),
             self.outbox_db.display().to_string(),
             "--receiver-db".into(),
@@ -77,11 +94,16 @@ impl ChildArgs {
             self.concurrency.to_string(),
             "--consumer".into(),
             self.consumer.clone(),
-        ]
+        ];
+        if let Some(schema) = &self.pg_schema {
+            args.extend(["--pg-schema".into(), schema.clone()]);
+        }
+        args
     }
 
     /// Parses `--name value` pairs; every option of [`to_args`](Self::to_args)
-    /// is optional except the two databases and the worker id.
+    /// is optional except the worker id and the databases (the two SQLite
+    /// files, or the PostgreSQL schema).
     pub fn parse(args: impl IntoIterator<Item = String>) -> Result<Self, String> {
         let mut a = ChildArgs::new("", "", "");
         let mut it = args.into_iter();
@@ -104,14 +126,15 @@ impl ChildArgs {
                 "--handler-delay-ms" => a.handler_delay = Duration::from_millis(num(&value)?),
                 "--concurrency" => a.concurrency = num(&value)? as usize,
                 "--consumer" => a.consumer = value,
+                "--pg-schema" => a.pg_schema = Some(value),
                 other => return Err(format!("unknown option `{other}`")),
             }
         }
-        if a.outbox_db.as_os_str().is_empty() {
-            return Err("`--outbox-db PATH` is required".into());
+        if a.pg_schema.is_none() && a.outbox_db.as_os_str().is_empty() {
+            return Err("`--outbox-db PATH` (or `--pg-schema NAME`) is required".into());
         }
-        if a.receiver_db.as_os_str().is_empty() {
-            return Err("`--receiver-db PATH` is required".into());
+        if a.pg_schema.is_none() && a.receiver_db.as_os_str().is_empty() {
+            return Err("`--receiver-db PATH` (or `--pg-schema NAME`) is required".into());
         }
         if a.worker.is_empty() {
             return Err("`--worker ID` is required".into());
@@ -132,5 +155,9 @@ mod tests {
         let b = ChildArgs::parse(a.to_args()).unwrap();
         assert_eq!(format!("{a:?}"), format!("{b:?}"));
         assert!(ChildArgs::parse(vec!["--worker".into(), "x".into()]).is_err());
+        let p = ChildArgs::postgres("faults_1", "w2");
+        let q = ChildArgs::parse(p.to_args()).unwrap();
+        assert_eq!(q.pg_schema.as_deref(), Some("faults_1"));
+        assert_eq!(format!("{p:?}"), format!("{q:?}"));
     }
 }

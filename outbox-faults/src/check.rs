@@ -190,6 +190,79 @@ impl Report {
     }
 }
 
+/// The receiver's and the outbox's counts that [`Report::compare`] checks.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Counts {
+    /// Effect rows.
+    pub effects: u64,
+    /// The receiver's `duplicates` counter.
+    pub duplicates: u64,
+    /// Handler invocations that committed.
+    pub calls: u64,
+    /// Of those, the ones the inbox turned away.
+    pub duplicate_calls: u64,
+    /// Outbox rows not in state `processed`.
+    pub not_processed: u64,
+    /// Outbox rows with `attempts <> 0`.
+    pub attempts_nonzero: u64,
+}
+
+/// One effect row: message id, key, sequence number, worker — read in the
+/// order the effects were committed.
+pub type EffectRow = (String, Option<String>, i64, String);
+
+impl Report {
+    /// Compares the effects (in commit order) and counts one backend's
+    /// receiver recorded with what was enqueued.
+    pub fn compare(
+        expected: &[Expected],
+        counts: Counts,
+        effects: impl IntoIterator<Item = EffectRow>,
+    ) -> Report {
+        let mut report = Report {
+            messages: expected.len(),
+            effects: counts.effects,
+            duplicates: counts.duplicates,
+            calls: counts.calls,
+            duplicate_calls: counts.duplicate_calls,
+            not_processed: counts.not_processed,
+            attempts_nonzero: counts.attempts_nonzero,
+            ..Report::default()
+        };
+        let by_id: HashMap<String, &Expected> =
+            expected.iter().map(|e| (e.id.to_string(), e)).collect();
+        let mut seen: HashMap<String, u32> = HashMap::new();
+        let mut last_seq: HashMap<String, i64> = HashMap::new();
+        for (id, key, seq, worker) in effects {
+            *report.per_worker.entry(worker).or_default() += 1;
+            match by_id.get(&id) {
+                Some(e) if e.seq == seq && e.key == key => {}
+                _ => report.unknown.push(format!("{id} (seq {seq})")),
+            }
+            let n = seen.entry(id.clone()).or_default();
+            *n += 1;
+            if *n == 2 {
+                report.repeated.push(id.clone());
+            }
+            if let Some(k) = key {
+                if let Some(prev) = last_seq.insert(k.clone(), seq) {
+                    if prev >= seq {
+                        report
+                            .order_violations
+                            .push(format!("key {k}: seq {seq} took effect after seq {prev}"));
+                    }
+                }
+            }
+        }
+        report.missing = expected
+            .iter()
+            .map(|e| e.id.to_string())
+            .filter(|id| !seen.contains_key(id))
+            .collect();
+        report
+    }
+}
+
 /// Compares the receiver's tables in `receiver_db` and the outbox in
 /// `outbox_db` with `expected`.
 pub fn verify(outbox_db: &Path, receiver_db: &Path, expected: &[Expected]) -> Report {
@@ -199,8 +272,7 @@ pub fn verify(outbox_db: &Path, receiver_db: &Path, expected: &[Expected]) -> Re
         c.query_row(sql, [], |r| r.get::<_, i64>(0))
             .unwrap_or_else(|e| panic!("{sql}: {e}")) as u64
     };
-    let mut report = Report {
-        messages: expected.len(),
+    let counts = Counts {
         effects: count(&rx, "SELECT COUNT(*) FROM effects"),
         duplicates: count(
             &rx,
@@ -213,53 +285,16 @@ pub fn verify(outbox_db: &Path, receiver_db: &Path, expected: &[Expected]) -> Re
             "SELECT COUNT(*) FROM outbox WHERE state <> 'processed'",
         ),
         attempts_nonzero: count(&ob, "SELECT COUNT(*) FROM outbox WHERE attempts <> 0"),
-        ..Report::default()
     };
-    let by_id: HashMap<String, &Expected> =
-        expected.iter().map(|e| (e.id.to_string(), e)).collect();
-    let mut seen: HashMap<String, u32> = HashMap::new();
-    let mut last_seq: HashMap<String, i64> = HashMap::new();
     let mut stmt = rx
         .prepare("SELECT message_id, key, seq, worker FROM effects ORDER BY rowid")
         .unwrap();
-    let rows = stmt
-        .query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, Option<String>>(1)?,
-                r.get::<_, i64>(2)?,
-                r.get::<_, String>(3)?,
-            ))
-        })
-        .unwrap();
-    for row in rows {
-        let (id, key, seq, worker) = row.unwrap();
-        *report.per_worker.entry(worker).or_default() += 1;
-        match by_id.get(&id) {
-            Some(e) if e.seq == seq && e.key == key => {}
-            _ => report.unknown.push(format!("{id} (seq {seq})")),
-        }
-        let n = seen.entry(id.clone()).or_default();
-        *n += 1;
-        if *n == 2 {
-            report.repeated.push(id.clone());
-        }
-        if let Some(k) = key {
-            if let Some(prev) = last_seq.insert(k.clone(), seq) {
-                if prev >= seq {
-                    report
-                        .order_violations
-                        .push(format!("key {k}: seq {seq} took effect after seq {prev}"));
-                }
-            }
-        }
-    }
-    report.missing = expected
-        .iter()
-        .map(|e| e.id.to_string())
-        .filter(|id| !seen.contains_key(id))
+    let rows: Vec<EffectRow> = stmt
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .unwrap()
+        .map(|r| r.unwrap())
         .collect();
-    report
+    Report::compare(expected, counts, rows)
 }
 
 /// The problem lines in a child's log: store errors, handler errors, and

@@ -6,6 +6,7 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::ChildArgs;
+use crate::args::PG_URL_VARIABLE;
 
 /// A running `relay-child` process. Dropping it kills the process
 /// (SIGKILL) and reaps it, so a failing test never leaves relays behind.
@@ -24,12 +25,40 @@ impl RelayChild {
     /// Starts `exe` (the `relay-child` binary) with `args`, appending its
     /// output to `log`.
     pub fn spawn(exe: &Path, args: &ChildArgs, log: &Path) -> io::Result<RelayChild> {
+        Self::start(exe, args, None, log)
+    }
+
+    /// Starts `exe` on PostgreSQL at `url` (`args.pg_schema` names the
+    /// schema); the URL reaches the child through [`PG_URL_VARIABLE`], never
+    /// its command line.
+    pub fn spawn_postgres(
+        exe: &Path,
+        args: &ChildArgs,
+        url: &str,
+        log: &Path,
+    ) -> io::Result<RelayChild> {
+        if args.pg_schema.is_none() {
+            return Err(io::Error::other("spawn_postgres needs args.pg_schema"));
+        }
+        Self::start(exe, args, Some(url), log)
+    }
+
+    fn start(
+        exe: &Path,
+        args: &ChildArgs,
+        url: Option<&str>,
+        log: &Path,
+    ) -> io::Result<RelayChild> {
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(log)?;
         let err = out.try_clone()?;
-        let mut child = Command::new(exe)
+        let mut command = Command::new(exe);
+        if let Some(url) = url {
+            command.env(PG_URL_VARIABLE, url);
+        }
+        let mut child = command
             .args(args.to_args())
             .stdin(Stdio::piped())
             .stdout(Stdio::from(out))

@@ -10,7 +10,7 @@ use outbox_api::{
 
 /// A [`Store`] that forwards to `inner` and records each error with the
 /// call that returned it (`claim`, `complete`, ...), printing it to stderr
-/// as a `STORE_ERROR` line. The fault tests assert that none happened — in
+/// as a `STORE_ERROR <label> <call> [<kind>]: <error>` line. The fault tests assert that none happened — in
 /// particular no `SQLITE_BUSY` ("database is locked").
 #[derive(Debug, Clone)]
 pub struct CountingStore<S> {
@@ -39,7 +39,7 @@ impl<S: Store> CountingStore<S> {
 
     fn note<T>(&self, call: &str, r: Result<T>) -> Result<T> {
         if let Err(e) = &r {
-            let text = format!("STORE_ERROR {} {call}: {e}", self.label);
+            let text = format!("STORE_ERROR {} {call} [{:?}]: {e}", self.label, e.kind());
             eprintln!("{text}");
             self.errors
                 .lock()

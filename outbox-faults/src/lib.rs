@@ -10,7 +10,9 @@
 //!   every error the relay gets from the store, naming the call;
 //! * [`RelayChild`]: a child relay process that is killed when dropped;
 //! * [`check`]: enqueueing test messages, waiting on conditions, and
-//!   checking what was delivered.
+//!   checking what was delivered;
+//! * [`postgres`]: the same on PostgreSQL, and the disruptions of the
+//!   PostgreSQL fault test (`pg_terminate_backend`, a server restart).
 //!
 //! The tests themselves are in `tests/`; see the crate's README.
 
@@ -18,9 +20,10 @@ mod args;
 pub mod check;
 mod child;
 mod counting;
+pub mod postgres;
 mod receiver;
 
-pub use args::ChildArgs;
+pub use args::{ChildArgs, PG_URL_VARIABLE};
 pub use child::RelayChild;
 pub use counting::CountingStore;
 pub use receiver::{

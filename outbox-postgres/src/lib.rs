@@ -14,6 +14,8 @@ mod schema;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "tokio-postgres")]
+mod tokio_pg;
 
 pub use builder::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_NOTIFY_DEBOUNCE, DEFAULT_POLL,
@@ -28,3 +30,8 @@ pub use store::PgStore;
 /// The sqlx version this crate links against, re-exported so that
 /// applications use the same one.
 pub use sqlx;
+
+/// The tokio-postgres version this crate links against (feature
+/// `tokio-postgres`), re-exported so that applications use the same one.
+#[cfg(feature = "tokio-postgres")]
+pub use tokio_postgres;

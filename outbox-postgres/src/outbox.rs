@@ -87,6 +87,80 @@ impl PgOutbox {
         Ok(Encoded::new(message.into_message(now)?))
     }
 
+    /// Validates and encodes `message` for an insert: the statement to run
+    /// (the keyed one takes the key's lock first), the values to bind (in
+    /// the order of `schema::INSERT_COLUMNS`) and the message's id. Shared
+    /// by every driver.
+    pub(crate) fn prepare_one(&self, message: NewMessage) -> Result<(&str, Encoded, MessageId)> {
+        let e = self.encode(message, self.shared.clock.now())?;
+        let id = MessageId::from_uuid(e.id);
+        let sql = if e.key.is_some() {
+            &self.shared.sql.insert_keyed
+        } else {
+            &self.shared.sql.insert
+        };
+        Ok((sql.as_str(), e, id))
+    }
+
+    /// Validates and encodes a batch for `insert_many`: one array per
+    /// column and the messages' ids, or `None` for an empty batch. One
+    /// invalid message refuses the batch, naming its position.
+    pub(crate) fn prepare_many(
+        &self,
+        messages: Vec<NewMessage>,
+    ) -> Result<Option<(&str, EncodedColumns, Vec<MessageId>)>> {
+        if messages.is_empty() {
+            return Ok(None);
+        }
+        let now = self.shared.clock.now();
+        let mut columns = EncodedColumns::default();
+        for (i, m) in messages.into_iter().enumerate() {
+            let e = self.encode(m, now).map_err(|err| {
+                Error::new(
+                    err.kind(),
+                    format!("message {i} of the batch: {}", err.message()),
+                )
+            })?;
+            columns.push(e);
+        }
+        let ids = columns
+            .id
+            .iter()
+            .copied()
+            .map(MessageId::from_uuid)
+            .collect();
+        Ok(Some((self.shared.sql.insert_many.as_str(), columns, ids)))
+    }
+
+    /// An insert returned its transaction's id: watch it, and announce the
+    /// commit when it comes.
+    pub(crate) fn inserted(&self, xid: &str) {
+        self.shared.announcer.watch(xid);
+    }
+
+    /// The display name of the outbox table, for errors.
+    pub(crate) fn table_display(&self) -> String {
+        self.shared.sql.names.outbox_display()
+    }
+
+    /// The error for a batch one of whose ids exists already; `detail` is
+    /// the server's detail line (naming the id), if any.
+    pub(crate) fn batch_conflict(
+        &self,
+        detail: Option<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Error {
+        Error::new(
+            ErrorKind::Conflict,
+            format!(
+                "a message id of the batch exists already in outbox table `{}`{}",
+                self.table_display(),
+                detail.map(|d| format!(" ({d})")).unwrap_or_default()
+            ),
+        )
+        .with_source(source)
+    }
+
     /// Validates `message` and writes it into the application's transaction
     /// (or connection) `conn`, e.g. `&mut *tx`; returns its id. It becomes
     /// visible to relays when that transaction commits.
@@ -95,14 +169,8 @@ impl PgOutbox {
     /// id that exists already is a `Conflict` naming it (and, as any failed
     /// statement, aborts the application's transaction).
     pub async fn enqueue(&self, conn: &mut PgConnection, message: NewMessage) -> Result<MessageId> {
-        let e = self.encode(message, self.shared.clock.now())?;
-        let id = MessageId::from_uuid(e.id);
-        let sql = if e.key.is_some() {
-            &self.shared.sql.insert_keyed
-        } else {
-            &self.shared.sql.insert
-        };
-        let result = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql.as_str()))
+        let (sql, e, id) = self.prepare_one(message)?;
+        let result = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql))
             .bind(e.id)
             .bind(e.kind)
             .bind(e.message_type)
@@ -119,14 +187,12 @@ impl PgOutbox {
             .await;
         match result {
             Ok(xid) => {
-                self.shared.announcer.watch(&xid);
+                self.inserted(&xid);
                 Ok(id)
             }
-            Err(err) if is_unique_violation(&err) => Err(duplicate_id(
-                id,
-                &self.shared.sql.names.outbox_display(),
-                err,
-            )),
+            Err(err) if is_unique_violation(&err) => {
+                Err(duplicate_id(id, &self.table_display(), err))
+            }
             Err(err) => Err(self.fail(err, "enqueuing a message")),
         }
     }
@@ -139,28 +205,10 @@ impl PgOutbox {
         conn: &mut PgConnection,
         messages: Vec<NewMessage>,
     ) -> Result<Vec<MessageId>> {
-        if messages.is_empty() {
+        let Some((sql, c, ids)) = self.prepare_many(messages)? else {
             return Ok(Vec::new());
-        }
-        let now = self.shared.clock.now();
-        let mut columns = EncodedColumns::default();
-        for (i, m) in messages.into_iter().enumerate() {
-            let e = self.encode(m, now).map_err(|err| {
-                Error::new(
-                    err.kind(),
-                    format!("message {i} of the batch: {}", err.message()),
-                )
-            })?;
-            columns.push(e);
-        }
-        let ids: Vec<MessageId> = columns
-            .id
-            .iter()
-            .copied()
-            .map(MessageId::from_uuid)
-            .collect();
-        let c = columns;
-        let result = sqlx::query(AssertSqlSafe(self.shared.sql.insert_many.as_str()))
+        };
+        let result = sqlx::query(AssertSqlSafe(sql))
             .bind(c.id)
             .bind(c.kind)
             .bind(c.message_type)
@@ -180,7 +228,7 @@ impl PgOutbox {
                 let xid: String = row
                     .try_get(0)
                     .map_err(|e| self.fail(e, "enqueuing messages"))?;
-                self.shared.announcer.watch(&xid);
+                self.inserted(&xid);
                 Ok(ids)
             }
             Err(err) if is_unique_violation(&err) => {
@@ -190,15 +238,7 @@ impl PgOutbox {
                         .and_then(|d| d.detail().map(str::to_owned)),
                     _ => None,
                 };
-                Err(Error::new(
-                    ErrorKind::Conflict,
-                    format!(
-                        "a message id of the batch exists already in outbox table `{}`{}",
-                        self.shared.sql.names.outbox_display(),
-                        detail.map(|d| format!(" ({d})")).unwrap_or_default()
-                    ),
-                )
-                .with_source(err))
+                Err(self.batch_conflict(detail, err))
             }
             Err(err) => Err(self.fail(err, "enqueuing messages")),
         }

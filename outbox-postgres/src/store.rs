@@ -56,7 +56,8 @@ impl std::fmt::Debug for PgStore {
 
 impl PgStore {
     /// The store over `pool` (described as `display`, never with a
-    /// password) for the tables `names`.
+    /// password) for the tables `names`; `announce` is the `NOTIFY`
+    /// debounce when enqueues announce their commits, `None` when not.
     pub(crate) fn assemble(
         pool: PgPool,
         display: String,
@@ -64,7 +65,7 @@ impl PgStore {
         clock: Arc<dyn Clock>,
         wake_up: WakeUp,
         poll: Duration,
-        notify_debounce: Duration,
+        announce: Option<Duration>,
     ) -> PgStore {
         let options = pool.connect_options();
         let identity = format!(
@@ -80,7 +81,8 @@ impl PgStore {
             pool.clone(),
             Arc::clone(&sql),
             shared_wakeup(&identity),
-            notify_debounce,
+            announce.unwrap_or_default(),
+            announce.is_some(),
         );
         PgStore {
             inner: Arc::new(Inner {
@@ -159,6 +161,18 @@ impl PgStore {
         result
             .map(|lines| lines.join("\n"))
             .map_err(|e| self.fail(e, what))
+    }
+
+    /// The exact completion statement this store runs (parameters: `$1`
+    /// processed_at, `$2` the ids, `uuid[]`), for same-SQL baselines.
+    pub fn complete_statement(&self) -> &str {
+        &self.inner.sql.complete
+    }
+
+    /// The statement that opens every claim transaction: `BEGIN`, its
+    /// timeouts and the claim lock, in one round trip.
+    pub fn begin_claim_statement(&self) -> &str {
+        &self.inner.sql.begin_locked
     }
 
     /// The transaction-level advisory lock claims of this table hold.

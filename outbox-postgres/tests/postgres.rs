@@ -537,3 +537,19 @@ async fn the_claim_walks_the_pending_index_even_without_statistics() {
     assert_eq!(f.pg().stats().await.unwrap().pending, 20_000);
     assert_eq!(f.pg().claim(&claim(50)).await.unwrap().len(), 50);
 }
+
+/// With `announce_commits(false)` an enqueue is neither watched nor
+/// notified: relays find it by polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_announcements_a_commit_wakes_nobody() {
+    let f = PgUnderTest::fresh_with(None, |b| b.announce_commits(false)).await;
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&f.pg().channel()).await.unwrap();
+    let mut listener = f.pg().listen();
+    // Its LISTEN connection reports a change once it is up.
+    while listener.wait(Duration::from_millis(300)).await {}
+    f.enqueue(vec![msg(1)]).await;
+    assert!(!listener.wait(Duration::from_millis(300)).await);
+    assert!(!notified(&mut raw, Duration::from_millis(100)).await);
+    assert_eq!(f.pg().claim(&claim(10)).await.unwrap().len(), 1);
+}

@@ -176,3 +176,15 @@ pub(super) fn live_workers() -> &'static Mutex<HashSet<String>> {
     static LIVE: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
     LIVE.get_or_init(Default::default)
 }
+
+/// A worker id in [`live_workers`] for as long as this lives.
+pub(super) struct LiveWorker(pub(super) String);
+
+impl Drop for LiveWorker {
+    fn drop(&mut self) {
+        live_workers()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.0);
+    }
+}

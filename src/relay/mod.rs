@@ -186,11 +186,14 @@ impl Relay {
                 ),
             ));
         }
+        // Held by the task: its id is free again when the task ends — or is
+        // dropped with its runtime, never having ended.
+        let live = builder::LiveWorker(id);
         self.inner.running.store(true, Ordering::SeqCst);
         let relay = self.clone();
         let task = tokio::spawn(async move {
             let outcome = AssertUnwindSafe(relay.clone().run()).catch_unwind().await;
-            lock(builder::live_workers()).remove(&relay.inner.config.worker_id);
+            drop(live);
             if let Err(panic) = outcome {
                 let text = format!("relay task panicked: {}", panic_message(&*panic));
                 tracing::error!(worker = %relay.inner.config.worker_id, "{text}");

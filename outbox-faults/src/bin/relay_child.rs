@@ -1,8 +1,10 @@
 //! `relay-child`: an outbox relay in its own process, for the fault tests.
 //!
 //! Opens the outbox (table `outbox`) in `--outbox-db` and the receiver's
-//! tables in `--receiver-db` (the same file is fine), runs `outbox::Relay`
-//! with the [`Receiver`] handler, and runs until it is killed or its stdin
+//! tables in `--receiver-db` (the same file is fine) — or, with
+//! `--pg-schema NAME`, both in that schema of the PostgreSQL database whose
+//! URL is in `OUTBOX_FAULTS_PG_URL` — runs `outbox::Relay`
+//! with the [`Receiver`] (or [`PgReceiver`]) handler, and runs until it is killed or its stdin
 //! closes (then it shuts the relay down gracefully and exits 0). Store and
 //! handler errors go to stderr as `STORE_ERROR` / `HANDLER_ERROR` lines.
 //!
@@ -10,15 +12,21 @@
 //! relay-child --outbox-db app.db --receiver-db rx.db --worker w1 \
 //!     [--batch 50] [--lease-ms 1000] [--handler-timeout-ms 800] [--poll-ms 50] \
 //!     [--handler-delay-ms 0] [--concurrency 16] [--consumer faults]
+//! OUTBOX_FAULTS_PG_URL=postgres://… relay-child --pg-schema faults_1 --worker w1 [options]
 //! ```
 
 use std::io::Read;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use std::time::Duration;
+
 use outbox::sqlite::SqliteStore;
 use outbox::{Relay, RelayConfig};
-use outbox_faults::{ChildArgs, CountingStore, Receiver};
+use outbox_api::{Dispatcher, Store};
+use outbox_faults::postgres::{PgReceiver, lazy_pool, with_application_name};
+use outbox_faults::{ChildArgs, CountingStore, PG_URL_VARIABLE, Receiver};
+use outbox_postgres::PgStore;
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -57,6 +65,13 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: ChildArgs) -> Result<(), String> {
+    match args.pg_schema.clone() {
+        None => run_sqlite(args).await,
+        Some(schema) => run_postgres(args, &schema).await,
+    }
+}
+
+async fn run_sqlite(args: ChildArgs) -> Result<(), String> {
     let store = SqliteStore::builder(&args.outbox_db)
         .open()
         .await
@@ -65,7 +80,6 @@ async fn run(args: ChildArgs) -> Result<(), String> {
         .migrate()
         .await
         .map_err(|e| format!("migrating the outbox: {e}"))?;
-    let store = CountingStore::new(store, &args.worker);
     let receiver = Receiver::open(
         &args.receiver_db,
         &args.consumer,
@@ -73,6 +87,73 @@ async fn run(args: ChildArgs) -> Result<(), String> {
         args.handler_delay,
     )
     .await?;
+    let report = receiver.clone();
+    relay(&args, store, receiver, move || {
+        (report.handled(), report.duplicates(), report.errors().len())
+    })
+    .await
+}
+
+/// On PostgreSQL the database may be restarting while this process starts:
+/// opening is retried for up to 30 s while the error says `Unavailable`.
+async fn run_postgres(args: ChildArgs, schema: &str) -> Result<(), String> {
+    let url = std::env::var(PG_URL_VARIABLE)
+        .map_err(|_| format!("--pg-schema needs the database URL in {PG_URL_VARIABLE}"))?;
+    let name = format!("faults-{schema}-{}", args.worker);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let store = loop {
+        let opened = async {
+            let store = PgStore::builder(with_application_name(&url, &name))
+                .schema(schema)
+                .poll_interval(args.poll_interval)
+                .max_connections(4)
+                .connect()
+                .await?;
+            store.migrate().await?;
+            Ok::<_, outbox_api::Error>(store)
+        }
+        .await;
+        match opened {
+            Ok(store) => break store,
+            Err(e)
+                if e.kind() == outbox_api::ErrorKind::Unavailable
+                    && std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(format!("opening the outbox: {e}")),
+        }
+    };
+    let pool = lazy_pool(
+        &with_application_name(&url, &format!("{name}-rx")),
+        args.concurrency as u32,
+        args.handler_timeout / 2,
+    )?;
+    let receiver = PgReceiver::open(
+        pool,
+        schema,
+        &args.consumer,
+        &args.worker,
+        args.handler_delay,
+    )
+    .await?;
+    let report = receiver.clone();
+    relay(&args, store, receiver, move || {
+        (report.handled(), report.duplicates(), report.errors().len())
+    })
+    .await
+}
+
+/// Runs the relay on `store` with `dispatcher` until stdin closes (the
+/// test's "stop") — or until SIGKILL; `receiver` reports the handler's
+/// figures (handled, duplicates, errors).
+async fn relay<S: Store + Clone + 'static>(
+    args: &ChildArgs,
+    store: S,
+    dispatcher: impl Dispatcher + 'static,
+    receiver: impl Fn() -> (u64, u64, usize),
+) -> Result<(), String> {
+    let store = CountingStore::new(store, &args.worker);
     let mut config = RelayConfig::default();
     config.worker_id = args.worker.clone();
     config.batch_size = args.batch_size;
@@ -82,12 +163,11 @@ async fn run(args: ChildArgs) -> Result<(), String> {
     config.concurrency = args.concurrency;
     config.store_error_backoff = args.poll_interval;
     let handle = Relay::builder_shared(Arc::new(store.clone()))
-        .dispatcher(receiver.clone())
+        .dispatcher(dispatcher)
         .config(config)
         .spawn()
         .map_err(|e| format!("starting the relay: {e}"))?;
 
-    // Run until stdin closes (the test's "stop") — or until SIGKILL.
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
     std::thread::spawn(move || {
         let mut buf = [0u8; 256];
@@ -98,16 +178,15 @@ async fn run(args: ChildArgs) -> Result<(), String> {
     let _ = rx.await;
     handle.shutdown().await;
     let t = handle.totals();
+    let (handled, duplicates, handler_errors) = receiver();
     eprintln!(
-        "relay-child {}: stopped; delivered={} failed={} released={} handled={} duplicates={} store_errors={} handler_errors={}",
+        "relay-child {}: stopped; delivered={} failed={} released={} handled={handled} \
+         duplicates={duplicates} store_errors={} handler_errors={handler_errors}",
         args.worker,
         t.delivered,
         t.failed,
         t.released,
-        receiver.handled(),
-        receiver.duplicates(),
         store.errors().len(),
-        receiver.errors().len()
     );
     Ok(())
 }

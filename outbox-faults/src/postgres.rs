@@ -1,0 +1,646 @@
+//! The fault tests on PostgreSQL: the receiver, enqueueing through a
+//! database that may go away mid-transaction, reading what was delivered,
+//! and the disruptions themselves (`pg_terminate_backend`, a restart).
+
+use std::collections::HashSet;
+use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use outbox_api::{
+    Dispatcher, ErrorKind, HandlerError, Message, MessageId, TemporarilyUnavailable, Timestamp,
+};
+use outbox_postgres::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use outbox_postgres::sqlx::{self, AssertSqlSafe, Row};
+use outbox_postgres::{PgOutbox, PgStore, WakeUp, error_kind};
+
+use crate::check::{self, Counts, EffectRow, Expected, Report};
+use crate::{RECEIVER_INBOX_TABLE, RECEIVER_OUTBOX_TABLE};
+
+/// The outbox table's name in the test's schema.
+pub const OUTBOX_TABLE: &str = "outbox";
+
+/// `url` with `application_name` set to `name`, so that a test can find
+/// (and end) the connections of one process in `pg_stat_activity`.
+pub fn with_application_name(url: &str, name: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}application_name={name}")
+}
+
+/// A pool on `url` that connects lazily (so that it can be made while the
+/// server restarts), checks a connection before handing it out, and gives
+/// up waiting for one after `acquire_timeout`.
+///
+/// A handler's pool must give up well within the relay's
+/// `handler_timeout`: then a database outage surfaces as an error the
+/// handler turns into [`TemporarilyUnavailable`] (retried, not counted),
+/// where a handler still waiting at its timeout counts an attempt.
+pub fn lazy_pool(
+    url: &str,
+    max_connections: u32,
+    acquire_timeout: Duration,
+) -> Result<PgPool, String> {
+    let options: PgConnectOptions = url
+        .parse()
+        .map_err(|e| format!("the PostgreSQL URL is not valid: {e}"))?;
+    Ok(PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(acquire_timeout)
+        .connect_lazy_with(options))
+}
+
+/// Whether a sqlx error says the database was (briefly) out of reach.
+fn unavailable(e: &sqlx::Error) -> bool {
+    error_kind(e) == ErrorKind::Unavailable
+}
+
+/// Creates the receiver's tables in `schema` (which must exist), like
+/// [`prepare_receiver_schema`](crate::prepare_receiver_schema) on SQLite:
+/// `effects` (its `id` is the order effects were written; a key's next
+/// message starts only after the previous one's effect committed),
+/// `calls`, `counters` (`duplicates/<worker>`: one row per worker), and
+/// the receiver's inbox table.
+pub async fn prepare_receiver(pool: &PgPool, schema: &str) -> Result<(), String> {
+    let ddl = format!(
+        r#"CREATE TABLE IF NOT EXISTS "{schema}".effects (
+               id bigserial PRIMARY KEY, message_id text NOT NULL, key text,
+               seq bigint NOT NULL, worker text NOT NULL, at_ms bigint NOT NULL);
+           CREATE TABLE IF NOT EXISTS "{schema}".calls (
+               id bigserial PRIMARY KEY, message_id text NOT NULL, worker text NOT NULL,
+               duplicate boolean NOT NULL, at_ms bigint NOT NULL);
+           CREATE TABLE IF NOT EXISTS "{schema}".counters (
+               name text PRIMARY KEY, value bigint NOT NULL);"#
+    );
+    sqlx::raw_sql(AssertSqlSafe(ddl))
+        .execute(pool)
+        .await
+        .map_err(|e| format!("creating the receiver tables: {e}"))?;
+    receiver_inbox(pool, schema)
+        .await?
+        .migrate()
+        .await
+        .map_err(|e| format!("creating the receiver inbox: {e}"))
+}
+
+async fn receiver_inbox(pool: &PgPool, schema: &str) -> Result<PgStore, String> {
+    PgStore::builder_with_pool(pool.clone())
+        .schema(schema)
+        .table(RECEIVER_OUTBOX_TABLE)
+        .inbox_table(RECEIVER_INBOX_TABLE)
+        .wake_up(WakeUp::PollOnly)
+        .connect()
+        .await
+        .map_err(|e| format!("opening the receiver inbox: {e}"))
+}
+
+/// The domain handler of the fault tests on PostgreSQL.
+///
+/// For each message, in ONE transaction: records it in the inbox
+/// ([`PgOutbox::try_receive`]), then inserts its effect row if it is new or
+/// bumps the `duplicates` counter if not, inserts a `calls` row, commits.
+/// When its database is out of reach (a terminated connection, a restart)
+/// it returns [`TemporarilyUnavailable`], which the relay retries without
+/// counting an attempt, and prints a `HANDLER_UNAVAILABLE` line; any other
+/// failure prints a `HANDLER_ERROR` line.
+#[derive(Clone)]
+pub struct PgReceiver {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    pool: PgPool,
+    inbox: PgOutbox,
+    consumer: String,
+    worker: String,
+    delay: Duration,
+    insert_effect: String,
+    bump_duplicates: String,
+    insert_call: String,
+    handled: AtomicU64,
+    duplicates: AtomicU64,
+    errors: Mutex<Vec<String>>,
+}
+
+impl std::fmt::Debug for PgReceiver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgReceiver")
+            .field("consumer", &self.shared.consumer)
+            .field("worker", &self.shared.worker)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a receiver transaction did not commit.
+enum Failed {
+    Unavailable(String),
+    Other(String),
+}
+
+impl PgReceiver {
+    /// A receiver on the tables [`prepare_receiver`] made in `schema`.
+    pub async fn open(
+        pool: PgPool,
+        schema: &str,
+        consumer: &str,
+        worker: &str,
+        delay: Duration,
+    ) -> Result<PgReceiver, String> {
+        let inbox = receiver_inbox(&pool, schema).await?.outbox();
+        Ok(PgReceiver {
+            shared: Arc::new(Shared {
+                pool,
+                inbox,
+                consumer: consumer.to_owned(),
+                worker: worker.to_owned(),
+                delay,
+                insert_effect: format!(
+                    r#"INSERT INTO "{schema}".effects (message_id, key, seq, worker, at_ms)
+                       VALUES ($1, $2, $3, $4, $5)"#
+                ),
+                // One counter row per worker: relays never wait on each
+                // other's counter.
+                bump_duplicates: format!(
+                    r#"INSERT INTO "{schema}".counters (name, value) VALUES ($1, 1)
+                       ON CONFLICT (name) DO UPDATE SET value = counters.value + 1"#
+                ),
+                insert_call: format!(
+                    r#"INSERT INTO "{schema}".calls (message_id, worker, duplicate, at_ms)
+                       VALUES ($1, $2, $3, $4)"#
+                ),
+                handled: AtomicU64::new(0),
+                duplicates: AtomicU64::new(0),
+                errors: Mutex::new(Vec::new()),
+            }),
+        })
+    }
+
+    /// Messages handled for the first time by this receiver.
+    pub fn handled(&self) -> u64 {
+        self.shared.handled.load(Ordering::Relaxed)
+    }
+
+    /// Duplicates this receiver's inbox turned away.
+    pub fn duplicates(&self) -> u64 {
+        self.shared.duplicates.load(Ordering::Relaxed)
+    }
+
+    /// Every handler failure so far other than the database being out of
+    /// reach, naming the statement.
+    pub fn errors(&self) -> Vec<String> {
+        self.shared
+            .errors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+impl Shared {
+    /// The receiver transaction; returns whether the message was new.
+    async fn record(&self, m: &Message) -> Result<bool, Failed> {
+        let seq: i64 = std::str::from_utf8(&m.payload)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| Failed::Other(format!("payload of {} is not a number", m.id)))?;
+        let id = m.id.to_string();
+        let now = Timestamp::now().as_millis();
+        let step = |what: &'static str| {
+            move |e: sqlx::Error| {
+                let text = format!("{what}: {e}");
+                if unavailable(&e) {
+                    Failed::Unavailable(text)
+                } else {
+                    Failed::Other(text)
+                }
+            }
+        };
+        let mut tx = self.pool.begin().await.map_err(step("BEGIN"))?;
+        let new = self
+            .inbox
+            .try_receive(&mut tx, &self.consumer, m.id)
+            .await
+            .map_err(|e| {
+                let text = format!("try_receive: {e}");
+                if e.kind() == ErrorKind::Unavailable {
+                    Failed::Unavailable(text)
+                } else {
+                    Failed::Other(text)
+                }
+            })?;
+        if new {
+            sqlx::query(AssertSqlSafe(self.insert_effect.as_str()))
+                .bind(&id)
+                .bind(m.key.as_deref())
+                .bind(seq)
+                .bind(&self.worker)
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(step("INSERT INTO effects"))?;
+        } else {
+            sqlx::query(AssertSqlSafe(self.bump_duplicates.as_str()))
+                .bind(format!("duplicates/{}", self.worker))
+                .execute(&mut *tx)
+                .await
+                .map_err(step("UPDATE counters"))?;
+        }
+        sqlx::query(AssertSqlSafe(self.insert_call.as_str()))
+            .bind(&id)
+            .bind(&self.worker)
+            .bind(!new)
+            .bind(now)
+            .execute(&mut *tx)
+            .await
+            .map_err(step("INSERT INTO calls"))?;
+        tx.commit().await.map_err(step("COMMIT"))?;
+        Ok(new)
+    }
+}
+
+#[async_trait]
+impl Dispatcher for PgReceiver {
+    async fn dispatch(&self, message: &Message) -> Result<(), HandlerError> {
+        if !self.shared.delay.is_zero() {
+            tokio::time::sleep(self.shared.delay).await;
+        }
+        match self.shared.record(message).await {
+            Ok(true) => {
+                self.shared.handled.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Ok(false) => {
+                self.shared.duplicates.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(Failed::Unavailable(e)) => {
+                eprintln!(
+                    "HANDLER_UNAVAILABLE worker={} message={}: {e}",
+                    self.shared.worker, message.id
+                );
+                Err(Box::new(TemporarilyUnavailable::new(e)))
+            }
+            Err(Failed::Other(e)) => {
+                let text = format!(
+                    "HANDLER_ERROR worker={} message={}: {e}",
+                    self.shared.worker, message.id
+                );
+                eprintln!("{text}");
+                self.shared
+                    .errors
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(text);
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// What [`enqueue_many`] wrote: the messages whose transaction committed,
+/// and the batches whose `COMMIT` failed with the connection (committed or
+/// not: [`Enqueued::settle`] looks).
+#[derive(Debug, Default)]
+pub struct Enqueued {
+    /// Committed for certain.
+    pub committed: Vec<Expected>,
+    /// Batches whose outcome is unknown.
+    pub uncertain: Vec<Vec<Expected>>,
+    /// Transactions that failed (and were rolled back or are uncertain)
+    /// because the database was out of reach.
+    pub interrupted: u64,
+}
+
+impl Enqueued {
+    /// The messages that were enqueued: the committed ones and each
+    /// uncertain batch whose rows are in the outbox (a batch is one
+    /// transaction: all of its rows are there, or none).
+    pub async fn settle(mut self, pool: &PgPool, schema: &str) -> Result<Vec<Expected>, String> {
+        let ids: Vec<sqlx::types::Uuid> = self
+            .uncertain
+            .iter()
+            .flatten()
+            .map(|e| e.id.as_uuid())
+            .collect();
+        let present: HashSet<MessageId> = sqlx::query(AssertSqlSafe(format!(
+            r#"SELECT id FROM "{schema}".{OUTBOX_TABLE} WHERE id = ANY($1)"#
+        )))
+        .bind(&ids)
+        .fetch_all(pool)
+        .await
+        .map_err(|e| format!("looking up uncertain batches: {e}"))?
+        .iter()
+        .map(|r| MessageId::from_uuid(r.get(0)))
+        .collect();
+        for batch in self.uncertain.drain(..) {
+            let there = batch.iter().filter(|e| present.contains(&e.id)).count();
+            if there == batch.len() {
+                self.committed.extend(batch);
+            } else if there != 0 {
+                return Err(format!(
+                    "a transaction was half committed: {there} of {} rows are there",
+                    batch.len()
+                ));
+            }
+        }
+        self.committed.sort_by_key(|e| e.seq);
+        Ok(self.committed)
+    }
+}
+
+/// Enqueues `count` messages with sqlx in transactions of 1–8 messages, as
+/// [`check::enqueue_many`] does on SQLite (same sizes, keys and sequence
+/// numbers from `rng`). A transaction that fails because the database is
+/// out of reach is tried again after 50 ms — unless it was its `COMMIT`
+/// that failed: then the batch is kept as uncertain (see
+/// [`Enqueued::settle`]). Any other failure is returned.
+pub async fn enqueue_many(
+    outbox: &PgOutbox,
+    pool: &PgPool,
+    rng: &mut fastrand::Rng,
+    first_seq: i64,
+    count: usize,
+    keys: usize,
+    key_prefix: &str,
+) -> Result<Enqueued, String> {
+    let mut out = Enqueued::default();
+    let mut seq = first_seq;
+    let mut written = 0;
+    while written < count {
+        let n = rng.usize(1..=8).min(count - written);
+        let batch: Vec<(i64, Option<String>)> = (0..n)
+            .map(|i| {
+                let key = (keys > 0 && rng.u8(..3) == 0)
+                    .then(|| format!("{key_prefix}{}", rng.usize(..keys)));
+                (seq + i as i64, key)
+            })
+            .collect();
+        seq += n as i64;
+        loop {
+            match enqueue_batch(outbox, pool, &batch).await {
+                Ok(done) => out.committed.extend(done),
+                Err(BatchFailed::Commit(batch)) => {
+                    out.interrupted += 1;
+                    out.uncertain.push(batch);
+                }
+                Err(BatchFailed::Unavailable) => {
+                    // Rolled back: the same messages again, once the
+                    // database answers.
+                    out.interrupted += 1;
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                Err(BatchFailed::Other(e)) => return Err(e),
+            }
+            break;
+        }
+        written += n;
+    }
+    Ok(out)
+}
+
+enum BatchFailed {
+    Unavailable,
+    Commit(Vec<Expected>),
+    Other(String),
+}
+
+async fn enqueue_batch(
+    outbox: &PgOutbox,
+    pool: &PgPool,
+    batch: &[(i64, Option<String>)],
+) -> Result<Vec<Expected>, BatchFailed> {
+    let fail = |e: sqlx::Error, what: &str| {
+        if unavailable(&e) {
+            BatchFailed::Unavailable
+        } else {
+            BatchFailed::Other(format!("{what}: {e}"))
+        }
+    };
+    let mut tx = pool.begin().await.map_err(|e| fail(e, "BEGIN"))?;
+    let mut done = Vec::with_capacity(batch.len());
+    for (seq, key) in batch {
+        match outbox
+            .enqueue(&mut tx, check::message(*seq, key.as_deref()))
+            .await
+        {
+            Ok(id) => done.push(Expected {
+                id,
+                seq: *seq,
+                key: key.clone(),
+            }),
+            Err(e) if e.kind() == ErrorKind::Unavailable => return Err(BatchFailed::Unavailable),
+            Err(e) => return Err(BatchFailed::Other(format!("enqueue: {e}"))),
+        }
+    }
+    match tx.commit().await {
+        Ok(()) => Ok(done),
+        Err(e) if unavailable(&e) => Err(BatchFailed::Commit(done)),
+        Err(e) => Err(BatchFailed::Other(format!("COMMIT: {e}"))),
+    }
+}
+
+/// One count from the test's schema, `None` while the database is out of
+/// reach.
+pub async fn count(pool: &PgPool, sql: &str) -> Option<u64> {
+    sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .ok()
+        .map(|n| n as u64)
+}
+
+/// The outbox rows in `schema` in `state` (`None` while out of reach).
+pub async fn in_state(pool: &PgPool, schema: &str, state: &str) -> Option<u64> {
+    count(
+        pool,
+        &format!(r#"SELECT count(*) FROM "{schema}".{OUTBOX_TABLE} WHERE state = '{state}'"#),
+    )
+    .await
+}
+
+/// Polls `condition` every 50 ms until it is `Some(true)`; panics naming
+/// `what` after `timeout`. Returns how long it took.
+pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut condition: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<bool>>,
+{
+    let start = Instant::now();
+    loop {
+        if condition().await == Some(true) {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Compares what the receiver recorded in `schema` with `expected`.
+pub async fn verify(pool: &PgPool, schema: &str, expected: &[Expected]) -> Report {
+    let q = |sql: String| async move {
+        count(pool, &sql)
+            .await
+            .unwrap_or_else(|| panic!("reading `{sql}` failed"))
+    };
+    let s = schema;
+    let counts = Counts {
+        effects: q(format!(r#"SELECT count(*) FROM "{s}".effects"#)).await,
+        duplicates: q(format!(
+            r#"SELECT COALESCE(SUM(value), 0)::bigint FROM "{s}".counters
+               WHERE name LIKE 'duplicates/%'"#
+        ))
+        .await,
+        calls: q(format!(r#"SELECT count(*) FROM "{s}".calls"#)).await,
+        duplicate_calls: q(format!(
+            r#"SELECT count(*) FROM "{s}".calls WHERE duplicate"#
+        ))
+        .await,
+        not_processed: q(format!(
+            r#"SELECT count(*) FROM "{s}".{OUTBOX_TABLE} WHERE state <> 'processed'"#
+        ))
+        .await,
+        attempts_nonzero: q(format!(
+            r#"SELECT count(*) FROM "{s}".{OUTBOX_TABLE} WHERE attempts <> 0"#
+        ))
+        .await,
+    };
+    let rows: Vec<EffectRow> = sqlx::query(AssertSqlSafe(format!(
+        r#"SELECT message_id, key, seq, worker FROM "{s}".effects ORDER BY id"#
+    )))
+    .fetch_all(pool)
+    .await
+    .expect("reading the effects")
+    .iter()
+    .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3)))
+    .collect();
+    Report::compare(expected, counts, rows)
+}
+
+/// Ends one connection (chosen at random) whose `application_name` starts
+/// with `prefix` — only `LISTEN` connections if `listeners` — with
+/// `pg_terminate_backend`. Returns how many it ended (0 or 1).
+pub async fn terminate_one(pool: &PgPool, prefix: &str, listeners: bool) -> Result<u64, String> {
+    let listen = if listeners {
+        "AND query LIKE 'LISTEN%'"
+    } else {
+        ""
+    };
+    let sql = format!(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+          WHERE application_name LIKE $1 || '%' AND pid <> pg_backend_pid() {listen}
+          ORDER BY random() LIMIT 1) t"
+    );
+    sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+        .bind(prefix)
+        .fetch_one(pool)
+        .await
+        .map(|n| n as u64)
+        .map_err(|e| format!("pg_terminate_backend: {e}"))
+}
+
+/// The variable naming a shell command that restarts the test's
+/// PostgreSQL, for servers this crate cannot restart by itself.
+pub const RESTART_VARIABLE: &str = "OUTBOX_FAULTS_PG_RESTART";
+
+/// How this test can restart the PostgreSQL server at `url`: the command in
+/// [`RESTART_VARIABLE`], else `pg_ctlcluster` for the local Debian cluster
+/// listening on the URL's port. `Err` says how to provide one.
+pub fn restart_command(url: &str) -> Result<Command, String> {
+    if let Ok(cmd) = std::env::var(RESTART_VARIABLE) {
+        if !cmd.trim().is_empty() {
+            let mut c = Command::new("sh");
+            c.arg("-c").arg(cmd);
+            return Ok(c);
+        }
+    }
+    let how = format!(
+        "the PostgreSQL fault test restarts the server mid-run; set {RESTART_VARIABLE} to a \
+         command that restarts the server of OUTBOX_PG_URL (or run the test against a local \
+         Debian cluster, which it restarts with pg_ctlcluster)"
+    );
+    let options: PgConnectOptions = url.parse().map_err(|e| format!("{how}: {e}"))?;
+    let host = options.get_host();
+    if !matches!(host, "localhost" | "127.0.0.1" | "::1") && !host.starts_with('/') {
+        return Err(format!(
+            "{how}; the server is on `{host}`, not this machine"
+        ));
+    }
+    let port = options.get_port();
+    let listing = Command::new("pg_lsclusters")
+        .arg("--no-header")
+        .output()
+        .map_err(|e| format!("{how}; pg_lsclusters: {e}"))?;
+    let text = String::from_utf8_lossy(&listing.stdout);
+    let cluster = text.lines().find_map(|line| {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        (f.len() >= 4 && f[2] == port.to_string() && f[3].starts_with("online"))
+            .then(|| (f[0].to_owned(), f[1].to_owned()))
+    });
+    let (version, name) =
+        cluster.ok_or_else(|| format!("{how}; no online cluster listens on port {port}"))?;
+    let mut c = Command::new("pg_ctlcluster");
+    c.args([
+        "--skip-systemctl-redirect",
+        "-m",
+        "fast",
+        &version,
+        &name,
+        "restart",
+    ]);
+    Ok(c)
+}
+
+/// Restarts PostgreSQL with `command` (see [`restart_command`]) and waits
+/// until `pool` answers again; returns how long the server was away.
+pub async fn restart(mut command: Command, pool: &PgPool) -> Result<Duration, String> {
+    let started = Instant::now();
+    let status = tokio::task::spawn_blocking(move || command.status())
+        .await
+        .map_err(|e| format!("restart task: {e}"))?
+        .map_err(|e| format!("running the restart command: {e}"))?;
+    if !status.success() {
+        return Err(format!("the restart command failed: {status}"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(pool, "SELECT 1::bigint").await.is_none() {
+        if Instant::now() > deadline {
+            return Err("PostgreSQL did not answer within 60 s of its restart".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(started.elapsed())
+}
+
+/// What a relay logs because its database was out of reach — each is
+/// expected while connections are ended and the server restarts.
+const OUTAGE_LINES: &[&str] = &[
+    // The store's errors of kind Unavailable (CountingStore).
+    "[Unavailable]",
+    // The relay on a store call that failed so: retried, or left to the lease.
+    "error=unavailable",
+    // The handler said so (PgReceiver), retried uncounted.
+    "HANDLER_UNAVAILABLE",
+    "handler temporarily unavailable; tried again later, not counted",
+    // sqlx finding a pooled connection dead, or a statement that waited.
+    "error occurred while testing the connection",
+    "slow statement: execution time exceeded alert threshold",
+    "time to acquire exceeded slow threshold",
+    // The LISTEN connection ended; the listener polls until it is back.
+    "outbox listener lost its connection",
+    "outbox listener cannot LISTEN",
+];
+
+/// The problem lines in a child's log (see
+/// [`check::log_problems`]) that a database outage does not explain: every
+/// one but those of [`OUTAGE_LINES`].
+pub fn log_problems_beyond_outages(log: &std::path::Path) -> Vec<String> {
+    check::log_problems(log)
+        .into_iter()
+        .filter(|l| !OUTAGE_LINES.iter().any(|p| l.contains(p)) || l.contains("panicked"))
+        .collect()
+}

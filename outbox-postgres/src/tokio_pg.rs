@@ -1,0 +1,145 @@
+//! Enqueue inside a `tokio_postgres` transaction (feature `tokio-postgres`):
+//! the same statements, validation, errors and post-commit announcement as
+//! the sqlx path, bound through tokio-postgres.
+//!
+//! Each statement runs with [`GenericClient::query_typed`]: the parameter
+//! types are given with the values, so the statement is parsed, bound and
+//! run in one round trip, with no prepared statement left on the
+//! application's connection.
+
+use outbox_api::{MessageId, NewMessage, Result};
+use tokio_postgres::GenericClient;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{ToSql, Type};
+
+use crate::error::{duplicate_id, from_tokio_postgres};
+use crate::outbox::PgOutbox;
+use crate::row::{Encoded, EncodedColumns};
+
+type Param<'a> = (&'a (dyn ToSql + Sync), Type);
+
+impl Encoded {
+    /// The values of an insert with their types, in the order of
+    /// `schema::INSERT_COLUMNS` (`$9`, the headers, is text cast to jsonb
+    /// by the statement).
+    fn typed_params(&self) -> [Param<'_>; 12] {
+        [
+            (&self.id, Type::UUID),
+            (&self.kind, Type::TEXT),
+            (&self.message_type, Type::TEXT),
+            (&self.key, Type::TEXT),
+            (&self.exchange, Type::TEXT),
+            (&self.routing_key, Type::TEXT),
+            (&self.payload, Type::BYTEA),
+            (&self.content_type, Type::TEXT),
+            (&self.headers, Type::TEXT),
+            (&self.trace_parent, Type::TEXT),
+            (&self.created_at, Type::INT8),
+            (&self.available_at, Type::INT8),
+        ]
+    }
+}
+
+impl EncodedColumns {
+    /// The arrays of `insert_many` with their types, in the same order.
+    fn typed_params(&self) -> [Param<'_>; 12] {
+        [
+            (&self.id, Type::UUID_ARRAY),
+            (&self.kind, Type::TEXT_ARRAY),
+            (&self.message_type, Type::TEXT_ARRAY),
+            (&self.key, Type::TEXT_ARRAY),
+            (&self.exchange, Type::TEXT_ARRAY),
+            (&self.routing_key, Type::TEXT_ARRAY),
+            (&self.payload, Type::BYTEA_ARRAY),
+            (&self.content_type, Type::TEXT_ARRAY),
+            (&self.headers, Type::TEXT_ARRAY),
+            (&self.trace_parent, Type::TEXT_ARRAY),
+            (&self.created_at, Type::INT8_ARRAY),
+            (&self.available_at, Type::INT8_ARRAY),
+        ]
+    }
+}
+
+fn is_unique_violation(e: &tokio_postgres::Error) -> bool {
+    e.code() == Some(&SqlState::UNIQUE_VIOLATION)
+}
+
+impl PgOutbox {
+    /// [`enqueue`](PgOutbox::enqueue) through tokio-postgres: validates
+    /// `message` and writes it in `client` — the application's
+    /// `tokio_postgres::Transaction` (or any
+    /// [`GenericClient`]); returns its id. It becomes visible to relays
+    /// when that transaction commits, and this store's relays (and, after
+    /// the commit, other processes') are woken as for the sqlx path.
+    ///
+    /// The same statement and the same errors as the sqlx path: an invalid
+    /// message is `InvalidInput` and writes nothing; an existing id is a
+    /// `Conflict` naming it (and aborts the application's transaction).
+    /// A keyed message takes the key's lock, as there.
+    pub async fn enqueue_tokio_postgres<C>(
+        &self,
+        client: &C,
+        message: NewMessage,
+    ) -> Result<MessageId>
+    where
+        C: GenericClient + Sync,
+    {
+        let (sql, e, id) = self.prepare_one(message)?;
+        match client.query_typed(sql, &e.typed_params()).await {
+            Ok(rows) => {
+                let xid = xid_of(&rows).map_err(|err| self.fail_tp(err, "enqueuing a message"))?;
+                self.inserted(&xid);
+                Ok(id)
+            }
+            Err(err) if is_unique_violation(&err) => {
+                Err(duplicate_id(id, &self.table_display(), err))
+            }
+            Err(err) => Err(self.fail_tp(err, "enqueuing a message")),
+        }
+    }
+
+    /// [`enqueue_many`](PgOutbox::enqueue_many) through tokio-postgres: every
+    /// message validated, then all written in `client` with one statement,
+    /// in the order given; returns their ids. One invalid message refuses
+    /// the whole batch and writes nothing.
+    pub async fn enqueue_many_tokio_postgres<C>(
+        &self,
+        client: &C,
+        messages: Vec<NewMessage>,
+    ) -> Result<Vec<MessageId>>
+    where
+        C: GenericClient + Sync,
+    {
+        let Some((sql, columns, ids)) = self.prepare_many(messages)? else {
+            return Ok(Vec::new());
+        };
+        match client.query_typed(sql, &columns.typed_params()).await {
+            Ok(rows) => {
+                let xid = xid_of(&rows).map_err(|err| self.fail_tp(err, "enqueuing messages"))?;
+                self.inserted(&xid);
+                Ok(ids)
+            }
+            Err(err) if is_unique_violation(&err) => {
+                let detail = err
+                    .as_db_error()
+                    .and_then(|d| d.detail().map(str::to_owned));
+                Err(self.batch_conflict(detail, err))
+            }
+            Err(err) => Err(self.fail_tp(err, "enqueuing messages")),
+        }
+    }
+
+    fn fail_tp(&self, e: tokio_postgres::Error, what: &str) -> outbox_api::Error {
+        from_tokio_postgres(e, what, &self.table_display())
+    }
+}
+
+/// The transaction id the insert returned (its first column).
+fn xid_of(rows: &[tokio_postgres::Row]) -> std::result::Result<String, tokio_postgres::Error> {
+    match rows.first() {
+        Some(row) => row.try_get(0),
+        // The statements always return one row; treat none as a commit to
+        // announce (a wake-up too many costs one empty claim).
+        None => Ok(String::new()),
+    }
+}
