@@ -67,6 +67,16 @@ pub struct RelayConfig {
     pub unavailable_max: Duration,
     /// Wait after a store error before trying again (1 s).
     pub store_error_backoff: Duration,
+    /// The outbox's name in metrics, the `outbox.name` label (`outbox`).
+    /// Give each relay of a process its own (e.g. the module or table), so
+    /// that their metrics stay apart; see [`crate::metrics`].
+    pub name: String,
+    /// How often the backlog gauges (`outbox.pending`, `outbox.poisoned`,
+    /// `outbox.oldest_pending.age`) are read from the store (15 s), in a
+    /// task of their own; `None` reads them only when
+    /// [`health`](crate::Relay::health) is asked. The other metrics are
+    /// recorded as things happen.
+    pub metrics_interval: Option<Duration>,
 }
 
 impl Default for RelayConfig {
@@ -90,6 +100,8 @@ impl Default for RelayConfig {
             unavailable_initial: Duration::from_secs(1),
             unavailable_max: Duration::from_secs(60),
             store_error_backoff: Duration::from_secs(1),
+            name: "outbox".to_owned(),
+            metrics_interval: Some(Duration::from_secs(15)),
         }
     }
 }
@@ -106,6 +118,12 @@ impl RelayConfig {
         };
         if self.worker_id.trim().is_empty() {
             return Err(Error::config("worker_id", "must not be empty"));
+        }
+        if self.name.trim().is_empty() {
+            return Err(Error::config("name", "must not be empty"));
+        }
+        if let Some(i) = self.metrics_interval {
+            positive("metrics_interval", i)?;
         }
         positive("poll_interval", self.poll_interval)?;
         positive("lease", self.lease)?;

@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 mod config;
+pub mod metrics;
 mod relay;
 
 pub use config::RelayConfig;

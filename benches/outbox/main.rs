@@ -6,7 +6,8 @@
 //! `OUTBOX_PG_URL`, else the local default if it answers; without the
 //! service their rows say NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
-//! (memory, sqlite, sqlite-latency, postgres, rabbitmq; a name selects every group
+//! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, postgres,
+//! rabbitmq; a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
@@ -41,10 +42,16 @@ fn main() {
         if wanted("memory") {
             figures.extend(memory::figures(quick).await);
         }
+        if wanted("memory-metrics") {
+            figures.extend(memory::metrics_figures(quick).await);
+        }
         if wanted("sqlite") {
             figures.extend(sqlite::figures(quick).await);
         } else if wanted("sqlite-drain") {
             figures.extend(sqlite::drain_figures(quick).await.0);
+        }
+        if wanted("sqlite-metrics") {
+            figures.extend(sqlite::metrics_figures(quick).await);
         }
         if wanted("sqlite-latency") {
             figures.extend(sqlite_latency::figures(quick).await);

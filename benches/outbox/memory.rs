@@ -11,7 +11,9 @@ use outbox::{
     Relay, Release, Stats, Store, Timestamp,
 };
 
-use crate::common::{Figure, counting_handlers, drain_rate, histogram, latency_rows};
+use crate::common::{
+    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_figure,
+};
 
 /// Enqueues `n` messages made by `make` in one transaction.
 pub fn fill_with(store: &MemoryStore, n: usize, make: impl Fn(usize) -> NewMessage) {
@@ -323,4 +325,12 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
         "reference ~1 s",
     ));
     out
+}
+
+/// Drain throughput with a Prometheus recorder installed beside the same
+/// drain without one (group `memory-metrics`): the relay's own cost with
+/// no database to hide it, the worst case for the recorder.
+pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
+    let (n, rounds) = if quick { (10_000, 3) } else { (100_000, 15) };
+    vec![metrics_figure("memory", n, rounds, move || drain(n, 100)).await]
 }

@@ -13,7 +13,9 @@ use outbox_sqlite::SqliteStore;
 use outbox_sqlite::rusqlite::{self, TransactionBehavior, params};
 use outbox_sqlite::sqlx::{self, sqlite::SqliteConnectOptions, sqlite::SqlitePoolOptions};
 
-use crate::common::{Figure, counting_handlers, drain_rate, histogram, latency_rows};
+use crate::common::{
+    Figure, counting_handlers, drain_rate, histogram, latency_rows, metrics_figure,
+};
 
 pub async fn open(dir: &Path) -> SqliteStore {
     let store = SqliteStore::open(dir.join("bench.db")).await.unwrap();
@@ -386,6 +388,14 @@ pub async fn drain_figures(quick: bool) -> (Vec<Figure>, f64) {
         );
     }
     (out, capacity)
+}
+
+/// Drain throughput with a Prometheus recorder installed beside the same
+/// drain without one (group `sqlite-metrics`): the cost of metrics on the
+/// drain as an application with a database sees it.
+pub async fn metrics_figures(quick: bool) -> Vec<Figure> {
+    let (n, rounds) = if quick { (10_000, 1) } else { (100_000, 5) };
+    vec![metrics_figure("SQLite", n, rounds, move || drain(n, 100)).await]
 }
 
 pub async fn figures(quick: bool) -> Vec<Figure> {

@@ -50,6 +50,7 @@ pub struct Cli {
     /// never printed.
     #[arg(
         long,
+        visible_alias = "db",
         global = true,
         env = "OUTBOX_DATABASE",
         hide_env_values = true,
@@ -138,6 +139,63 @@ pub enum Command {
         )]
         backlog_alert: Duration,
     },
+    /// Serve the web console for this outbox over HTTP until interrupted
+    /// (Ctrl-C or SIGTERM). A non-loopback address needs a token.
+    Serve(ServeArgs),
+}
+
+/// The port `outbox serve` listens on by default (on 127.0.0.1).
+pub const DEFAULT_CONSOLE_PORT: u16 = 8089;
+
+/// Arguments of `serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The address to listen on; port 0 picks a free one (the address is
+    /// printed). Anything but a loopback address needs a token.
+    #[arg(long, value_name = "ADDR", default_value_t = std::net::SocketAddr::from(([127, 0, 0, 1], DEFAULT_CONSOLE_PORT)))]
+    pub listen: std::net::SocketAddr,
+    /// Require this token on every request (`Authorization: Bearer`, or the
+    /// login form); at least 16 bytes, e.g. `openssl rand -hex 32`. Never
+    /// printed.
+    #[arg(
+        long,
+        env = outbox_console::TOKEN_ENV,
+        hide_env_values = true,
+        value_name = "TOKEN",
+        value_parser = |t: &str| Ok::<_, std::convert::Infallible>(ConsoleToken(t.to_owned()))
+    )]
+    pub token: Option<ConsoleToken>,
+    /// Degraded on the overview when the oldest pending message is older
+    /// than this (units s, m, h, d).
+    #[arg(
+        long,
+        value_parser = parse_duration,
+        default_value = "5m",
+        value_name = "DURATION",
+        allow_hyphen_values = true
+    )]
+    pub backlog_alert: Duration,
+}
+
+impl ServeArgs {
+    /// The token, if one is given and not empty (an empty
+    /// `OUTBOX_CONSOLE_TOKEN` is no token, as for `Console::token_from_env`).
+    pub fn token(&self) -> Option<&str> {
+        self.token
+            .as_ref()
+            .map(|t| t.0.as_str())
+            .filter(|t| !t.is_empty())
+    }
+}
+
+/// The console token, never shown (`Debug` included).
+#[derive(Clone)]
+pub struct ConsoleToken(pub String);
+
+impl std::fmt::Debug for ConsoleToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConsoleToken(<redacted>)")
+    }
 }
 
 /// Arguments of `list`.
@@ -251,6 +309,18 @@ mod tests {
             shown.contains("postgres://shop:***@db.example:5432/app"),
             "{shown}"
         );
+        let cli = Cli::try_parse_from([
+            "outbox",
+            "--db",
+            "sqlite:a.db",
+            "serve",
+            "--token",
+            "t0ken-that-is-long-enough",
+        ])
+        .unwrap();
+        let shown = format!("{cli:?}");
+        assert!(!shown.contains("t0ken"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
     }
 
     #[test]

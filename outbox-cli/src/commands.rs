@@ -6,7 +6,7 @@ use std::time::Duration;
 use outbox_api::{ErrorKind, ListQuery, Message, MessageId, MessageState, Timestamp};
 use serde_json::{Value, json};
 
-use crate::args::{ListArgs, RetryArgs};
+use crate::args::{ListArgs, RetryArgs, ServeArgs};
 use crate::db::{self, Outbox, Target};
 use crate::duration::format_age;
 use crate::{CliError, EXIT_USAGE, Output, render};
@@ -363,4 +363,82 @@ pub async fn health(target: &Target, alert: Duration, json: bool) -> Output {
         error: None,
         code,
     }
+}
+
+/// Refuses, before anything is opened or bound, to serve a non-loopback
+/// address without a token.
+pub fn check_serve_args(args: &ServeArgs) -> Result<(), CliError> {
+    if !args.listen.ip().is_loopback() && args.token().is_none() {
+        return Err(CliError::usage(format!(
+            "refusing to serve the console on {} without a token: that address is not \
+             loopback, so anyone who reaches it could retry and discard messages; pass \
+             --token (or set {}) or listen on 127.0.0.1",
+            args.listen,
+            outbox_console::TOKEN_ENV
+        )));
+    }
+    Ok(())
+}
+
+/// Serves the console over `outbox` until Ctrl-C or SIGTERM. Prints the
+/// address it listens on (useful with port 0) as soon as it is bound.
+pub async fn serve(outbox: &Outbox, args: &ServeArgs) -> Result<Output, CliError> {
+    use std::io::Write as _;
+    check_serve_args(args)?;
+    let mut console = outbox_console::Console::new()
+        .outbox(outbox.console_name(), outbox.shared_store())
+        .map_err(|e| CliError::usage(e.to_string()))?
+        .backlog_age_alert(args.backlog_alert);
+    if let Some(token) = args.token() {
+        console = console
+            .token(token)
+            .map_err(|e| CliError::usage(e.to_string()))?;
+    }
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(|e| CliError::failed(format!("cannot listen on {}: {e}", args.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| CliError::failed(format!("cannot listen on {}: {e}", args.listen)))?;
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(
+        stdout,
+        "outbox console for `{}` listening on http://{addr}/{}",
+        outbox.name(),
+        if args.token().is_some() {
+            " (token required)"
+        } else {
+            ""
+        }
+    );
+    let _ = stdout.flush();
+    drop(stdout);
+    outbox_console::serve_on(listener, console, shutdown_signal())
+        .await
+        .map_err(|e| CliError::failed(e.to_string()))?;
+    Ok(Output::ok("outbox console stopped\n".to_owned()))
+}
+
+/// Completes on Ctrl-C, or SIGTERM on Unix.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    () = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => ctrl_c.await,
+        }
+    }
+    #[cfg(not(unix))]
+    ctrl_c.await;
 }

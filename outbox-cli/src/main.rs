@@ -15,6 +15,7 @@
 //!   discard ID [--dry-run] [--by NAME]
 //!   purge --older-than 7d
 //!   health [--backlog-alert 5m]
+//!   serve [--listen 127.0.0.1:8089] [--token T]   the web console (outbox-console)
 //! ```
 //!
 //! It never creates or migrates anything: a missing file, a file that is
@@ -222,6 +223,11 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
                 commands::discard(o, id, &by, dry_run, json).await
             })
             .await
+        }
+        Command::Serve(args) => {
+            // Refused before the database is even opened.
+            commands::check_serve_args(&args)?;
+            with_outbox(&target?, async |o| commands::serve(o, &args).await).await
         }
         Command::Purge { older_than } => {
             with_outbox(&target?, async |o| {

@@ -487,3 +487,39 @@ async fn postgres_passwords_never_appear() {
     assert_error(&out, 2, "mysql://shop:***@h/db");
     assert!(!stderr(&out).contains(secret));
 }
+
+#[tokio::test]
+async fn serve_shows_the_schemas_outbox_over_tcp() {
+    let f = fixture().await;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox"));
+    cmd.env_remove("OUTBOX_DATABASE")
+        .env_remove("OUTBOX_TABLE")
+        .env_remove("OUTBOX_SCHEMA")
+        .env_remove("OUTBOX_CONSOLE_TOKEN")
+        .args([
+            "--db",
+            f.pg.url(),
+            "--schema",
+            f.pg.schema(),
+            "--table",
+            TABLE,
+        ])
+        .args(["serve", "--listen", "127.0.0.1:0"]);
+    let server = common::start(cmd);
+    let host = server.addr.to_string();
+    // Named `schema-table` (a console name allows no `.`).
+    let name = format!("{}-{TABLE}", f.pg.schema());
+
+    let (status, body) = common::get(server.addr, &host, "/", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(&format!(">{name}</a>")), "{body}");
+    let (status, body) = common::get(
+        server.addr,
+        &host,
+        &format!("/{name}/messages?state=poisoned"),
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(&f.poisoned.to_string()), "{body}");
+    assert!(!body.contains(&f.pending.to_string()), "{body}");
+}

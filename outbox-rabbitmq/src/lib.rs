@@ -5,6 +5,7 @@
 mod config;
 #[cfg(feature = "sqlite-inbox")]
 mod consumer;
+pub mod metrics;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod topology;

@@ -9,6 +9,7 @@ use outbox_api::{Clock, Dispatcher, Error, Result, Store, SystemClock, Transport
 use tokio::sync::{Notify, watch};
 
 use super::gate::Gate;
+use super::meter::Meter;
 use super::{Counters, Inner, Relay, RelayHandle};
 use crate::config::RelayConfig;
 
@@ -121,6 +122,14 @@ impl RelayBuilder {
         unavailable_initial: Duration);
     setter!(/// See [`RelayConfig::unavailable_max`].
         unavailable_max: Duration);
+    setter!(/// See [`RelayConfig::metrics_interval`].
+        metrics_interval: Option<Duration>);
+
+    /// See [`RelayConfig::name`].
+    pub fn name(mut self, name: impl Into<String>) -> Self {
+        self.config.name = name.into();
+        self
+    }
 
     /// Checks the configuration and builds the relay (not yet running).
     pub fn build(self) -> Result<Relay> {
@@ -132,6 +141,7 @@ impl RelayBuilder {
             ));
         }
         let gate = Gate::new(self.transport.is_some());
+        let meter = Meter::new(&self.config.name, self.transport.is_some());
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -149,6 +159,7 @@ impl RelayBuilder {
                 last_store_error: Mutex::new(None),
                 unavailable: Mutex::new(HashMap::new()),
                 counters: Counters::default(),
+                meter,
             }),
         })
     }

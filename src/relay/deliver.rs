@@ -16,9 +16,12 @@ use super::Relay;
 pub(super) enum DeliveryOutcome {
     /// The handler returned `Ok` / the broker confirmed it.
     Delivered,
-    /// The message's own fault (handler error, panic, timeout, broker
-    /// rejection): counts as an attempt.
+    /// The message's own fault (handler error, panic, timeout): counts as
+    /// an attempt.
     Failed(String),
+    /// The broker refused the message (nack, unroutable, too large): the
+    /// message's fault too, counted like `Failed`.
+    Rejected(String),
     /// The handler said it is temporarily unavailable: retried after a
     /// backoff, not counted.
     HandlerUnavailable {
@@ -34,6 +37,7 @@ impl DeliveryOutcome {
         match self {
             DeliveryOutcome::Delivered => "delivered",
             DeliveryOutcome::Failed(_) => "failed",
+            DeliveryOutcome::Rejected(_) => "rejected",
             DeliveryOutcome::HandlerUnavailable { .. } => "handler unavailable",
             DeliveryOutcome::TransportUnavailable(_) => "transport unavailable",
         }
@@ -138,7 +142,7 @@ impl Relay {
                 let r = match o {
                     Outcome::Delivered => DeliveryOutcome::Delivered,
                     Outcome::Rejected(e) => {
-                        DeliveryOutcome::Failed(format!("rejected by the broker: {e}"))
+                        DeliveryOutcome::Rejected(format!("rejected by the broker: {e}"))
                     }
                     Outcome::Unavailable(e) => DeliveryOutcome::TransportUnavailable(e),
                 };

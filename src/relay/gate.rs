@@ -62,6 +62,7 @@ impl Relay {
             st.health = TransportHealth::Down(reason);
             !std::mem::replace(&mut st.probing, true)
         };
+        self.inner.meter.transport(false);
         if start_probe {
             tokio::spawn(probe_loop(Arc::downgrade(&self.inner)));
         }
@@ -101,6 +102,7 @@ async fn probe_loop(relay: Weak<Inner>) {
                 st.health = TransportHealth::Up;
                 st.probing = false;
                 drop(st);
+                inner.meter.transport(true);
                 inner.wake.notify_one();
                 return;
             }

@@ -9,13 +9,15 @@
 //! * `deliver` — one delivery (a guarded handler run or a transport send);
 //! * `settle` — recording what deliveries ended in, in small groups;
 //! * `gate` — the transport's state and its probe task;
-//! * `upkeep` — retention purge and health;
+//! * `upkeep` — retention purge, health and the backlog gauges;
+//! * `meter` — the metrics' handles (names in `crate::metrics`);
 //! * `handle` — the running relay's handle.
 
 mod builder;
 mod deliver;
 mod gate;
 mod handle;
+mod meter;
 mod schedule;
 mod settle;
 mod upkeep;
@@ -128,6 +130,7 @@ struct Inner {
     /// Handlers that said "temporarily unavailable", by message type.
     unavailable: Mutex<HashMap<String, Unavailable>>,
     counters: Counters,
+    meter: meter::Meter,
 }
 
 /// The relay engine. Usually [`spawn`](Relay::spawn)ed; tests may also call
@@ -257,6 +260,9 @@ impl Relay {
             .retention
             .is_some()
             .then(|| tokio::spawn(self.clone().purge_loop()));
+        let gauges = cfg
+            .metrics_interval
+            .map(|every| tokio::spawn(self.clone().gauge_loop(every)));
         while !*shutdown.borrow() {
             let wait = match self.drain_with(Some(&mut listener)).await {
                 Ok(_) => {
@@ -273,6 +279,11 @@ impl Relay {
                 _ = listener.wait(wait) => {}
                 _ = self.inner.wake.notified() => {}
                 _ = shutdown.changed() => {}
+            }
+        }
+        if let Some(gauges) = gauges {
+            if let Err(e) = gauges.await {
+                tracing::error!(error = %e, "metrics task ended abnormally");
             }
         }
         if let Some(purger) = purger {

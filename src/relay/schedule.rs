@@ -14,12 +14,15 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::FuturesUnordered;
 use futures_util::{Future, FutureExt, StreamExt};
 use outbox_api::{ClaimRequest, Message, MessageKind, Result, Timestamp, WorkListener};
 
 use super::deliver::DeliveryOutcome;
+use super::meter::TypeMeter;
 use super::settle::{Round, Settlement};
 use super::{DrainReport, Relay};
 
@@ -40,13 +43,16 @@ struct Ready {
 
 /// What the scheduler waited for.
 enum Event {
-    Finished(Vec<(Message, DeliveryOutcome)>),
+    Finished(Done),
     Round(Round),
     Commit(bool),
     Nothing,
 }
 
-type Delivery = Pin<Box<dyn Future<Output = Vec<(Message, DeliveryOutcome)>> + Send>>;
+/// What one delivery (a handler run, or a send of several messages) ended
+/// in, and how long it took.
+type Done = (Vec<(Message, DeliveryOutcome)>, Duration);
+type Delivery = Pin<Box<dyn Future<Output = Done> + Send>>;
 type StoreRound = Pin<Box<dyn Future<Output = Round> + Send>>;
 
 pub(super) struct Scheduler<'a> {
@@ -78,6 +84,9 @@ pub(super) struct Scheduler<'a> {
     claimed: usize,
     report: DrainReport,
     error: Option<outbox_api::Error>,
+    /// The metrics handles of the message types met in this drain (a few:
+    /// looked up without the relay-wide map's lock).
+    meters: Vec<Arc<TypeMeter>>,
 }
 
 impl<'a> Scheduler<'a> {
@@ -104,6 +113,7 @@ impl<'a> Scheduler<'a> {
             claimed: 0,
             report: DrainReport::default(),
             error: None,
+            meters: Vec::new(),
         }
     }
 
@@ -137,10 +147,9 @@ impl<'a> Scheduler<'a> {
                 && !self.relay.stopping()
                 && self.listener.is_some();
             match self.next_event(listen).await {
-                Event::Finished(results) => {
-                    for (m, outcome) in results {
-                        self.finished(m, outcome);
-                    }
+                Event::Finished(done) => {
+                    let now = self.relay.now();
+                    self.finished_all(done, now);
                     // Take in whatever else finished meanwhile, so the next
                     // store round records it too.
                     self.take_finished_at_once();
@@ -174,14 +183,13 @@ impl<'a> Scheduler<'a> {
     /// Takes in every delivery that has ended or ends when polled once;
     /// returns whether there was any.
     fn take_finished_at_once(&mut self) -> bool {
-        let mut any = false;
-        while let Some(Some(results)) = self.deliveries.next().now_or_never() {
-            any = true;
-            for (m, outcome) in results {
-                self.finished(m, outcome);
-            }
+        let mut now = None;
+        while let Some(Some(done)) = self.deliveries.next().now_or_never() {
+            // One clock reading for all that ended at once.
+            let at = *now.get_or_insert_with(|| self.relay.now());
+            self.finished_all(done, at);
         }
-        any
+        now.is_some()
     }
 
     /// Waits for a delivery to end, the store round to end, or (with
@@ -195,7 +203,7 @@ impl<'a> Scheduler<'a> {
         let round = &mut self.round;
         let listener = &mut self.listener;
         tokio::select! {
-            Some(results) = deliveries.next(), if has_deliveries => Event::Finished(results),
+            Some(done) = deliveries.next(), if has_deliveries => Event::Finished(done),
             done = async { round.as_mut().expect("guarded").await }, if has_round => Event::Round(done),
             changed = async { listener.as_mut().expect("guarded").wait(poll_interval).await }, if listen => Event::Commit(changed),
             else => Event::Nothing,
@@ -274,6 +282,7 @@ impl<'a> Scheduler<'a> {
         let lease_until = self.round_lease_until.take();
         match round.claimed {
             Some(messages) => {
+                self.relay.inner.meter.claimed(messages.len());
                 let limit = self.config().batch_size;
                 // A commit announced while the claim ran may not be in it.
                 self.exhausted =
@@ -355,8 +364,9 @@ impl<'a> Scheduler<'a> {
         self.slots_used += 1;
         let relay = self.relay.clone();
         self.deliveries.push(Box::pin(async move {
+            let started = Instant::now();
             let outcome = relay.dispatch_one(&m).await;
-            vec![(m, outcome)]
+            (vec![(m, outcome)], started.elapsed())
         }));
     }
 
@@ -364,9 +374,56 @@ impl<'a> Scheduler<'a> {
         self.slots_used += group.len();
         let relay = self.relay.clone();
         self.deliveries.push(Box::pin(async move {
+            let started = Instant::now();
             let outcomes = relay.send(&group).await;
-            group.into_iter().zip(outcomes).collect()
+            (group.into_iter().zip(outcomes).collect(), started.elapsed())
         }));
+    }
+
+    /// A delivery ended (at `now`, for the lag metric).
+    fn finished_all(&mut self, (results, took): Done, now: Timestamp) {
+        // One duration per operation: a handler run, or a send (once per
+        // message type it carried).
+        let mut timed: Vec<usize> = Vec::new();
+        for (m, outcome) in results {
+            let i = self.meter_index(&m);
+            if !timed.contains(&i) {
+                timed.push(i);
+                self.meters[i].duration.record(took.as_secs_f64());
+            }
+            self.meter(i, &m, &outcome, now);
+            self.finished(m, outcome);
+        }
+    }
+
+    /// The position in `meters` of the handles of `m`'s kind and type.
+    fn meter_index(&mut self, m: &Message) -> usize {
+        match self.meters.iter().position(|t| t.is(m)) {
+            Some(i) => i,
+            None => {
+                self.meters.push(self.relay.inner.meter.of(m));
+                self.meters.len() - 1
+            }
+        }
+    }
+
+    /// Records one message's delivery outcome in the metrics, and on
+    /// delivery the lag since its commit.
+    fn meter(&self, i: usize, m: &Message, outcome: &DeliveryOutcome, now: Timestamp) {
+        let t = &self.meters[i];
+        match outcome {
+            DeliveryOutcome::Delivered => {
+                t.delivered.increment(1);
+                t.lag.record(now.since(m.created_at).as_secs_f64());
+            }
+            DeliveryOutcome::Failed(_) => t.failed.increment(1),
+            DeliveryOutcome::Rejected(_) => {
+                t.failed.increment(1);
+                t.rejected.increment(1);
+            }
+            DeliveryOutcome::HandlerUnavailable { .. } => t.released_unavailable.increment(1),
+            DeliveryOutcome::TransportUnavailable(_) => t.released_outage.increment(1),
+        }
     }
 
     /// One message's delivery ended.
@@ -386,7 +443,9 @@ impl<'a> Scheduler<'a> {
                 }
                 self.pending.done.push(m.id);
             }
-            DeliveryOutcome::Failed(error) => self.pending.failed.push((m, error)),
+            DeliveryOutcome::Failed(error) | DeliveryOutcome::Rejected(error) => {
+                self.pending.failed.push((m, error))
+            }
             DeliveryOutcome::HandlerUnavailable {
                 reason,
                 retry_after,

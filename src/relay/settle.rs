@@ -197,6 +197,7 @@ impl Relay {
             }
             FailOutcome::Poisoned { attempts } => {
                 report.poisoned += 1;
+                self.inner.meter.of(m).poisoned.increment(1);
                 tracing::error!(message.id = %m.id, message.type = %m.message_type, attempts, %error, "message poisoned after its last attempt; it waits for an operator");
             }
             FailOutcome::LeaseLost => {

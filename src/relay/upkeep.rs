@@ -42,7 +42,24 @@ impl Relay {
         }
     }
 
-    /// The relay's health (rule "Health" in `docs/rules.md`): Unhealthy
+    /// Reads the backlog every `every` and records it in the gauges, until
+    /// shutdown; in its own task, so a slow count never delays deliveries.
+    pub(super) async fn gauge_loop(self, every: std::time::Duration) {
+        let mut shutdown = self.inner.shutdown.subscribe();
+        while !*shutdown.borrow() {
+            match self.inner.store.backlog().await {
+                Ok(b) => self.inner.meter.backlog(&b, self.now()),
+                Err(e) => tracing::debug!(error = %e, "could not read the backlog for metrics"),
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(every) => {}
+                _ = shutdown.changed() => {}
+            }
+        }
+    }
+
+    /// The relay's health (rule "Health" in `docs/rules.md`), also recorded
+    /// in the backlog gauges (see [`crate::metrics`]): Unhealthy
     /// when the relay is not running (stopped, or its task died); Degraded
     /// on an old backlog, poison, a transport that is down, a handler that
     /// says it is temporarily unavailable, or a store error; else Healthy.
@@ -52,11 +69,14 @@ impl Relay {
         let running = self.inner.running.load(Ordering::SeqCst);
         let transport = self.inner.gate.health();
         let (pending, poisoned, oldest) = match self.inner.store.backlog().await {
-            Ok(s) => (
-                s.pending,
-                s.poisoned,
-                s.oldest_pending_created_at.map(|t| self.now().since(t)),
-            ),
+            Ok(s) => {
+                self.inner.meter.backlog(&s, self.now());
+                (
+                    s.pending,
+                    s.poisoned,
+                    s.oldest_pending_created_at.map(|t| self.now().since(t)),
+                )
+            }
             Err(e) => {
                 reasons.push(format!("cannot read the outbox: {e}"));
                 (0, 0, None)

@@ -25,7 +25,9 @@ use outbox::sqlite::sqlx::sqlite::{
 };
 use outbox::sqlite::sqlx::{self, Sqlite, SqliteConnection};
 use outbox::sqlite::{SqliteOutbox, SqliteStore};
-use outbox::{HandlerError, HandlerOutcome, MessageId, NewMessage, Store, run_guarded};
+use outbox::{
+    HandlerError, HandlerOutcome, MessageId, NewMessage, OperatorStore, Store, run_guarded,
+};
 
 use crate::fail::{Context, Fail};
 
@@ -367,6 +369,14 @@ impl ModuleDb {
 
     /// The relay's view of the outbox table.
     pub fn store(&self) -> Arc<dyn Store> {
+        match &self.backend {
+            Backend::Sqlite { store, .. } => Arc::new(store.clone()),
+            Backend::Postgres { store, .. } => Arc::new(store.clone()),
+        }
+    }
+
+    /// The operator's view of the outbox table (for the console).
+    pub fn operator_store(&self) -> Arc<dyn OperatorStore> {
         match &self.backend {
             Backend::Sqlite { store, .. } => Arc::new(store.clone()),
             Backend::Postgres { store, .. } => Arc::new(store.clone()),

@@ -1,6 +1,9 @@
-//! The HTTP API (without `--orders`): place orders, look at them, health.
+//! The HTTP API (without `--orders`): place orders, look at them, health;
+//! beside it the outbox console at `/outbox` and the metrics at `/metrics`.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
@@ -8,6 +11,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
@@ -32,13 +36,77 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
     (status, Json(json!({ "error": message.into() }))).into_response()
 }
 
-/// The routes.
-pub fn router(shop: Arc<Shop>) -> Router {
-    Router::new()
+/// The routes: the shop's API, `GET /metrics` and the console under `/outbox`.
+pub fn router(shop: Arc<Shop>, metrics: PrometheusHandle) -> Result<Router, Fail> {
+    let console = console(&shop)?;
+    Ok(Router::new()
         .route("/orders", post(place_order))
         .route("/orders/{id}", get(get_order))
         .route("/health", get(health))
         .with_state(shop)
+        .route(
+            "/metrics",
+            get(move || std::future::ready(render_metrics(&metrics))),
+        )
+        .merge(outbox_console::router(console)))
+}
+
+/// The outbox console over both modules' outboxes, each with its relay's
+/// own health. Loopback only, unless `OUTBOX_CONSOLE_TOKEN` is set.
+fn console(shop: &Shop) -> Result<outbox_console::Console, Fail> {
+    let health = |relay: &outbox::RelayHandle| {
+        let relay = relay.relay().clone();
+        move || {
+            let relay = relay.clone();
+            async move { relay.health().await }
+        }
+    };
+    outbox_console::Console::new()
+        .outbox_with_health(
+            "ordering",
+            shop.ordering.database().operator_store(),
+            health(&shop.ordering_relay),
+        )
+        .and_then(|c| {
+            c.outbox_with_health(
+                "warehouse",
+                shop.warehouse.database().operator_store(),
+                health(&shop.warehouse_relay),
+            )
+        })
+        .and_then(|c| c.token_from_env())
+        .and_then(|c| c.path_prefix("/outbox"))
+        .context("setting up the outbox console")
+}
+
+/// Installs the Prometheus recorder (no listener of its own: `GET
+/// /metrics` renders it) before the relays start, so they record into it,
+/// and keeps its summaries trimmed.
+pub fn install_metrics() -> Result<PrometheusHandle, Fail> {
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the Prometheus metrics recorder")?;
+    outbox::metrics::describe();
+    outbox_rabbitmq::metrics::describe();
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            upkeep.run_upkeep();
+        }
+    });
+    Ok(handle)
+}
+
+fn render_metrics(metrics: &PrometheusHandle) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        metrics.render(),
+    )
+        .into_response()
 }
 
 async fn place_order(
@@ -93,19 +161,26 @@ async fn health(State(shop): State<Arc<Shop>>) -> Response {
 
 /// Serves until Ctrl-C (or SIGTERM). Prints `listening on http://ADDR` on
 /// stdout once bound (`--listen 127.0.0.1:0` picks a free port).
-pub async fn serve(shop: Arc<Shop>, listen: &str) -> Result<(), Fail> {
+pub async fn serve(shop: Arc<Shop>, listen: &str, metrics: PrometheusHandle) -> Result<(), Fail> {
+    let app = router(Arc::clone(&shop), metrics)?;
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .context(format!("cannot listen on `{listen}`"))?;
     let addr = listener.local_addr().context("reading the bound address")?;
     println!("listening on http://{addr}");
     eprintln!(
-        "try:\n  curl -si -X POST http://{addr}/orders -H 'content-type: application/json' \\\n       -d '{{\"customer\":\"ann\",\"sku\":\"teapot\",\"qty\":1}}'\n  curl -s http://{addr}/orders/<id>\n  curl -s http://{addr}/health\nCtrl-C stops the shop gracefully."
+        "try:\n  curl -si -X POST http://{addr}/orders -H 'content-type: application/json' \\\n       -d '{{\"customer\":\"ann\",\"sku\":\"teapot\",\"qty\":1}}'\n  curl -s http://{addr}/orders/<id>\n  curl -s http://{addr}/health\n  curl -s http://{addr}/metrics\n  open http://{addr}/outbox (the outbox console)\nCtrl-C stops the shop gracefully."
     );
-    axum::serve(listener, router(shop))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("serving HTTP")
+    drop(shop);
+    // The console learns the peer's address from ConnectInfo (loopback
+    // only without a token).
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown_signal())
+    .await
+    .context("serving HTTP")
 }
 
 /// Ctrl-C, or SIGTERM on Unix.

@@ -166,6 +166,8 @@ async fn run(args: Args) -> Result<(), Fail> {
     };
     location.prepare(args.fresh).await?;
     let isolated_pg = args.isolated && args.postgres.is_some();
+    // Before the relays and consumers start, so that they record into it.
+    let metrics = http::install_metrics()?;
     let started = Shop::start(&location, bus).await;
     let result = match started {
         Ok(shop) => {
@@ -174,7 +176,7 @@ async fn run(args: Args) -> Result<(), Fail> {
                 location.describe(),
                 shop.bus_description
             );
-            serve_or_load(shop, &args).await
+            serve_or_load(shop, &args, metrics).await
         }
         Err(e) => Err(e),
     };
@@ -187,7 +189,11 @@ async fn run(args: Args) -> Result<(), Fail> {
 }
 
 /// Runs the load (`--orders`) or the HTTP API until Ctrl-C.
-async fn serve_or_load(shop: Shop, args: &Args) -> Result<(), Fail> {
+async fn serve_or_load(
+    shop: Shop,
+    args: &Args,
+    metrics: metrics_exporter_prometheus::PrometheusHandle,
+) -> Result<(), Fail> {
     match args.orders {
         Some(orders) => {
             let opts = LoadOptions {
@@ -202,7 +208,7 @@ async fn serve_or_load(shop: Shop, args: &Args) -> Result<(), Fail> {
         }
         None => {
             let shop = Arc::new(shop);
-            let served = http::serve(Arc::clone(&shop), &args.listen).await;
+            let served = http::serve(Arc::clone(&shop), &args.listen, metrics).await;
             match Arc::try_unwrap(shop) {
                 Ok(shop) => shop.shutdown().await,
                 Err(shop) => {

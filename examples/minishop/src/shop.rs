@@ -63,6 +63,8 @@ impl Shop {
                 // Stable across restarts: a restarted MiniShop takes back
                 // the leases of the process before it at once.
                 .worker_id(format!("minishop-{name}"))
+                // The `outbox.name` label of its metrics.
+                .name(name)
                 .batch_size(200)
                 // Commits in this process wake the relays at once; this is
                 // only the fallback for commits by other processes.

@@ -276,12 +276,13 @@ fn json(body: &str) -> serde_json::Value {
     serde_json::from_str(body).unwrap_or_else(|e| panic!("not JSON ({e}): {body}"))
 }
 
-#[test]
-fn http_api_places_and_follows_an_order() {
-    let dir = tempfile::tempdir().unwrap();
+/// Starts MiniShop's HTTP server on a free port over SQLite in `dir`;
+/// returns the process and the address it listens on.
+fn serve_http(dir: &std::path::Path) -> (Child, String) {
     let mut child = minishop()
         .args(["--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir.path())
+        .arg(dir)
+        .env_remove("OUTBOX_CONSOLE_TOKEN")
         .spawn()
         .expect("start minishop");
     // The first stdout line says where it listens.
@@ -304,20 +305,18 @@ fn http_api_places_and_follows_an_order() {
         .unwrap_or_else(|| panic!("unexpected first line: {line}"))
         .trim()
         .to_owned();
+    (child, addr)
+}
 
-    let (status, body) = http(
-        &addr,
-        "POST",
-        "/orders",
-        Some(r#"{"customer":"ann","sku":"apple","qty":2}"#),
-    );
-    assert_eq!(status, 201, "{body}");
-    let id = json(&body)["id"].as_str().expect("id").to_owned();
-
-    // Poll until the saga has ended.
+/// Places an order over HTTP and waits until its saga has ended; returns
+/// the order.
+fn order_to_the_end(addr: &str, body: &str) -> serde_json::Value {
+    let (status, created) = http(addr, "POST", "/orders", Some(body));
+    assert_eq!(status, 201, "{created}");
+    let id = json(&created)["id"].as_str().expect("id").to_owned();
     let deadline = Instant::now() + Duration::from_secs(30);
-    let order = loop {
-        let (status, body) = http(&addr, "GET", &format!("/orders/{id}"), None);
+    loop {
+        let (status, body) = http(addr, "GET", &format!("/orders/{id}"), None);
         assert_eq!(status, 200, "{body}");
         let order = json(&body);
         let ended = match order["status"].as_str() {
@@ -326,11 +325,31 @@ fn http_api_places_and_follows_an_order() {
             _ => false,
         };
         if ended {
-            break order;
+            return order;
         }
         assert!(Instant::now() < deadline, "order still not done: {order}");
         thread::sleep(Duration::from_millis(20));
-    };
+    }
+}
+
+/// Stops MiniShop with Ctrl-C and checks that it stopped gracefully.
+fn interrupt(child: Child) {
+    let killed = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(killed.success());
+    let f = wait(child, Duration::from_secs(30));
+    assert!(f.status.success(), "exit {:?}\n{}", f.status, f.stderr);
+    assert!(f.stderr.contains("MiniShop stopped."), "{}", f.stderr);
+}
+
+#[test]
+fn http_api_places_and_follows_an_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addr) = serve_http(dir.path());
+
+    let order = order_to_the_end(&addr, r#"{"customer":"ann","sku":"apple","qty":2}"#);
     assert_eq!(order["status"], "confirmed", "{order}");
     assert_eq!(order["total_cents"], 240, "{order}");
 
@@ -360,14 +379,106 @@ fn http_api_places_and_follows_an_order() {
     assert_eq!(health["state"], "healthy", "{health}");
 
     // Ctrl-C stops it gracefully.
-    let killed = Command::new("kill")
-        .args(["-INT", &child.id().to_string()])
-        .status()
-        .expect("run kill");
-    assert!(killed.success());
-    let f = wait(child, Duration::from_secs(30));
-    assert!(f.status.success(), "exit {:?}\n{}", f.status, f.stderr);
-    assert!(f.stderr.contains("MiniShop stopped."), "{}", f.stderr);
+    interrupt(child);
+}
+
+/// The value of the Prometheus sample `name{labels…}` in a scrape: the
+/// line whose name is `name` and whose labels include every one of `labels`.
+fn sample(scrape: &str, name: &str, labels: &[&str]) -> f64 {
+    let found: Vec<f64> = scrape
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+            (metric == name && labels.iter().all(|want| rest.contains(want)))
+                .then(|| value.parse().ok())?
+        })
+        .collect();
+    match found.as_slice() {
+        [v] => *v,
+        _ => panic!("want one {name} {labels:?}, found {found:?} in:\n{scrape}"),
+    }
+}
+
+#[test]
+fn console_and_metrics_are_served_beside_the_api() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, addr) = serve_http(dir.path());
+    let order = order_to_the_end(&addr, r#"{"customer":"bob","sku":"apple","qty":1}"#);
+    assert_eq!(order["status"], "confirmed", "{order}");
+    // Health reads the backlog, which also sets the backlog gauges.
+    let (status, body) = http(&addr, "GET", "/health", None);
+    assert_eq!(status, 200, "{body}");
+
+    // The console's overview, under /outbox, with both modules' outboxes
+    // and their relays' health.
+    let (status, page) = http(&addr, "GET", "/outbox", None);
+    assert_eq!(status, 200, "{page}");
+    assert!(page.contains("Overview"), "{page}");
+    for outbox in ["ordering", "warehouse"] {
+        assert!(
+            page.contains(&format!(
+                "href=\"/outbox/{outbox}/messages?state=poisoned\""
+            )),
+            "{outbox} missing: {page}"
+        );
+    }
+    assert!(page.contains(">healthy<"), "{page}");
+    assert!(
+        !page.contains("(from the table)"),
+        "relay health expected: {page}"
+    );
+    let (status, page) = http(
+        &addr,
+        "GET",
+        "/outbox/ordering/messages?state=processed",
+        None,
+    );
+    assert_eq!(status, 200, "{page}");
+    for ty in ["OrderPlaced", "OrderConfirmed"] {
+        assert!(page.contains(&format!(">{ty}</a>")), "{ty} missing: {page}");
+    }
+
+    // The metrics, in Prometheus' text format.
+    let (status, scrape) = http(&addr, "GET", "/metrics", None);
+    assert_eq!(status, 200, "{scrape}");
+    let delivered = |outbox: &str, kind: &str, ty: &str| {
+        sample(
+            &scrape,
+            "outbox_messages_delivered",
+            &[
+                &format!("outbox_name=\"{outbox}\""),
+                &format!("outbox_message_kind=\"{kind}\""),
+                &format!("outbox_message_type=\"{ty}\""),
+            ],
+        )
+    };
+    assert_eq!(delivered("ordering", "integration", "OrderPlaced"), 1.0);
+    assert_eq!(delivered("ordering", "domain", "OrderConfirmed"), 1.0);
+    assert_eq!(delivered("warehouse", "integration", "StockReserved"), 1.0);
+    for outbox in ["ordering", "warehouse"] {
+        let label = format!("outbox_name=\"{outbox}\"");
+        assert_eq!(sample(&scrape, "outbox_pending", &[&label]), 0.0);
+        assert_eq!(sample(&scrape, "outbox_poisoned", &[&label]), 0.0);
+        assert_eq!(sample(&scrape, "outbox_transport_up", &[&label]), 1.0);
+    }
+    assert_eq!(
+        sample(
+            &scrape,
+            "outbox_delivery_lag_count",
+            &[
+                "outbox_name=\"ordering\"",
+                "outbox_message_type=\"OrderPlaced\""
+            ]
+        ),
+        1.0
+    );
+    assert!(
+        scrape.contains("# HELP outbox_messages_delivered "),
+        "{scrape}"
+    );
+    interrupt(child);
 }
 
 fn assert_one_line_error(f: &Finished, needle: &str) {

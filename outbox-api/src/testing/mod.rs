@@ -7,10 +7,12 @@
 //! [`transport_conformance_tests!`](crate::transport_conformance_tests)) in
 //! its tests, which expands to one `#[test]` per clause.
 
+pub mod metrics;
 pub mod services;
 pub mod store;
 pub mod transport;
 
+pub use metrics::TestRecorder;
 pub use services::{Service, service_url};
 pub use store::StoreUnderTest;
 pub use transport::TransportUnderTest;

@@ -137,6 +137,25 @@ impl Outbox {
         &*self.store
     }
 
+    /// The store, shared (for the console, which keeps it while it serves).
+    pub fn shared_store(&self) -> Arc<dyn OperatorStore> {
+        self.store.clone()
+    }
+
+    /// The name the console shows the outbox under (its URLs allow letters,
+    /// digits, `-` and `_`): the table, or `schema-table` on PostgreSQL
+    /// outside `public` (the table alone if that would pass 64 bytes).
+    pub fn console_name(&self) -> String {
+        match self.name.split_once('.') {
+            Some(("public", table)) => table.to_owned(),
+            Some((schema, table)) if schema.len() + table.len() < 64 => {
+                format!("{schema}-{table}")
+            }
+            Some((_, table)) => table.to_owned(),
+            None => self.name.clone(),
+        }
+    }
+
     /// The table as an operator names it: `outbox`, or `schema.outbox` on
     /// PostgreSQL.
     pub fn name(&self) -> &str {

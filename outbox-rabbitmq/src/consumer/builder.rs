@@ -303,6 +303,7 @@ impl RabbitConsumerBuilder {
             connected: AtomicBool::new(false),
             running: AtomicBool::new(true),
             counters: Counters::default(),
+            meter: crate::metrics::ConsumerMeter::new(&self.queue, &self.consumer_name),
         });
         let (tx, rx) = watch::channel(false);
         let worker = Worker {

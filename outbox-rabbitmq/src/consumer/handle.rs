@@ -67,6 +67,7 @@ pub(super) struct Shared {
     pub(super) connected: AtomicBool,
     pub(super) running: AtomicBool,
     pub(super) counters: Counters,
+    pub(super) meter: crate::metrics::ConsumerMeter,
 }
 
 /// A running [`RabbitConsumer`](crate::RabbitConsumer). Dropping it stops the consumer (without

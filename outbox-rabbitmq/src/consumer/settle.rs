@@ -31,10 +31,12 @@ impl Worker {
     /// delivery of its key is held for a retry, queue it behind that one.
     /// `false` when settling failed (the channel is gone).
     pub(super) async fn on_delivery(&mut self, delivery: Delivery) -> bool {
+        self.shared.meter.received.increment(1);
         let received = match Received::decode(&delivery) {
             Ok(r) => r,
             Err(why) => {
                 bump(&self.shared.counters.invalid);
+                self.shared.meter.invalid.increment(1);
                 tracing::warn!(
                     queue = %self.shared.queue,
                     exchange = %delivery.exchange,
@@ -124,10 +126,15 @@ impl Worker {
             outcome = tracing::field::Empty,
         );
         outbox_api::trace::continue_trace(&span, received.trace_parent.as_deref());
+        let started = Instant::now();
         let outcome = self
             .handle(&pending.received)
             .instrument(span.clone())
             .await;
+        self.shared
+            .meter
+            .process
+            .record(started.elapsed().as_secs_f64());
         self.settle(pending, outcome, &span)
             .instrument(span.clone())
             .await
@@ -148,6 +155,7 @@ impl Worker {
             InboxOutcome::Committed => {
                 span.record("outcome", "handled");
                 bump(&counters.handled);
+                self.shared.meter.handled.increment(1);
                 self.attempts.remove(&id);
                 Step::Settled(settled(
                     pending.delivery.acker.ack(BasicAckOptions::default()).await,
@@ -156,6 +164,7 @@ impl Worker {
             InboxOutcome::Duplicate => {
                 span.record("outcome", "duplicate");
                 bump(&counters.duplicates);
+                self.shared.meter.duplicates.increment(1);
                 self.attempts.remove(&id);
                 tracing::debug!("already handled (inbox); acknowledging");
                 Step::Settled(settled(
@@ -165,6 +174,7 @@ impl Worker {
             InboxOutcome::HandlerFailed(error) if attempt >= self.settings.max_attempts => {
                 span.record("outcome", "dead-lettered");
                 bump(&counters.dead_lettered);
+                self.shared.meter.dead_lettered.increment(1);
                 self.attempts.remove(&id);
                 tracing::error!(
                     %error,

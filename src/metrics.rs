@@ -1,0 +1,138 @@
+//! The names and labels of the metrics the relay records.
+//!
+//! The relay records through the [`metrics`](https://docs.rs/metrics)
+//! facade: install a recorder (for Prometheus,
+//! `metrics-exporter-prometheus`) **before building relays**, and they
+//! record into it; without one, recording is a no-op that costs a branch.
+//! Handles are registered when a relay is built (its gauges) and when it
+//! first meets a message type (its counters and histograms), so a recorder
+//! installed later sees only the types met after it.
+//!
+//! Every metric carries [`OUTBOX`] (the relay's [`name`](crate::RelayConfig::name));
+//! per-message metrics also carry [`MESSAGE_KIND`] (`domain` or
+//! `integration`) and [`MESSAGE_TYPE`]. No label holds a message id, a key
+//! or an error text: label values are the application's own outbox names
+//! and message types, a finite set fixed by its code.
+//!
+//! Names follow the OpenTelemetry semantic conventions where one applies
+//! (`messaging.process.duration`, `messaging.client.operation.duration`
+//! with `messaging.operation.name` / `messaging.operation.type`); the
+//! outbox's own concepts (outcomes, backlog, claims) are under `outbox.`.
+//! Prometheus exporters turn the dots into underscores
+//! (`outbox_messages_delivered_total`). See the README's Operations
+//! section for the list and `docs/decisions.md` for the choices.
+
+/// Label: the relay's outbox name ([`RelayConfig::name`](crate::RelayConfig::name)).
+pub const OUTBOX: &str = "outbox.name";
+/// Label: `domain` or `integration`.
+pub const MESSAGE_KIND: &str = "outbox.message.kind";
+/// Label: the message type (e.g. `OrderPlaced`) — one of the application's own.
+pub const MESSAGE_TYPE: &str = "outbox.message.type";
+/// Label (OpenTelemetry): `process` (a domain handler) or `send` (a transport send).
+pub const OPERATION_NAME: &str = "messaging.operation.name";
+/// Label (OpenTelemetry): `process` or `send`.
+pub const OPERATION_TYPE: &str = "messaging.operation.type";
+/// Label of [`RELEASED`]: why the message was given back uncounted:
+/// `outage` (the transport was unavailable) or `handler_unavailable` (the
+/// handler said it is temporarily unavailable).
+pub const RELEASE_REASON: &str = "outbox.release.reason";
+
+/// Counter: messages delivered (handler returned `Ok`, or the broker confirmed).
+pub const DELIVERED: &str = "outbox.messages.delivered";
+/// Counter: counted failures — a handler error, panic or timeout, a message
+/// type without a handler, a broker rejection. Includes the failure that
+/// poisons a message (so [`POISONED`] ≤ `FAILED`).
+pub const FAILED: &str = "outbox.messages.failed";
+/// Counter: the broker rejected the message (nack, unroutable, too large);
+/// these are also counted in [`FAILED`].
+pub const REJECTED: &str = "outbox.messages.rejected";
+/// Counter: messages poisoned by their last counted failure (they wait for
+/// an operator).
+pub const POISONED: &str = "outbox.messages.poisoned";
+/// Counter: messages given back without counting an attempt, by
+/// [`RELEASE_REASON`]: `outage` or `handler_unavailable`.
+pub const RELEASED: &str = "outbox.messages.released";
+
+/// Histogram (seconds): from the commit that enqueued a message
+/// (`created_at`) to its delivery — the end-to-end lag, retries included.
+pub const DELIVERY_LAG: &str = "outbox.delivery.lag";
+/// Histogram (seconds, OpenTelemetry): how long a domain message's handlers
+/// ran, whatever the outcome.
+pub const PROCESS_DURATION: &str = "messaging.process.duration";
+/// Histogram (seconds, OpenTelemetry): how long a transport send took,
+/// whatever the outcome — one value per send (an operation that carries
+/// several messages), labelled with each message type it carried.
+pub const OPERATION_DURATION: &str = "messaging.client.operation.duration";
+/// Histogram (messages): how many messages each claim returned (empty
+/// claims included: a relay that keeps finding nothing shows zeros).
+pub const CLAIM_SIZE: &str = "outbox.claim.size";
+
+/// Gauge: pending messages (delivered or not yet, including those waiting
+/// for a retry time or a lease).
+pub const PENDING: &str = "outbox.pending";
+/// Gauge: poisoned messages waiting for an operator.
+pub const POISONED_NOW: &str = "outbox.poisoned";
+/// Gauge (seconds): age of the oldest pending message; 0 when none is pending.
+pub const OLDEST_PENDING_AGE: &str = "outbox.oldest_pending.age";
+/// Gauge: 1 while the transport is up, 0 while it is down and probed
+/// (recorded only by relays with a transport).
+pub const TRANSPORT_UP: &str = "outbox.transport.up";
+
+/// Describes every metric above (help text and unit) to the installed
+/// recorder, so that e.g. a Prometheus scrape shows `# HELP` lines. Call it
+/// once after installing the recorder; recording works without it.
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        DELIVERED,
+        Unit::Count,
+        "Messages delivered: handler returned Ok, or the broker confirmed"
+    );
+    describe_counter!(
+        FAILED,
+        Unit::Count,
+        "Counted delivery failures (handler error, panic, timeout, no handler, broker rejection), the poisoning one included"
+    );
+    describe_counter!(
+        REJECTED,
+        Unit::Count,
+        "Integration messages rejected by the broker (also counted as failed)"
+    );
+    describe_counter!(
+        POISONED,
+        Unit::Count,
+        "Messages poisoned by their last counted failure"
+    );
+    describe_counter!(
+        RELEASED,
+        Unit::Count,
+        "Messages given back without counting an attempt (transport outage, handler temporarily unavailable)"
+    );
+    describe_histogram!(
+        DELIVERY_LAG,
+        Unit::Seconds,
+        "From the commit that enqueued a message to its delivery"
+    );
+    describe_histogram!(
+        PROCESS_DURATION,
+        Unit::Seconds,
+        "Duration of a domain message's handler run"
+    );
+    describe_histogram!(
+        OPERATION_DURATION,
+        Unit::Seconds,
+        "Duration of the transport send that carried an integration message"
+    );
+    describe_histogram!(CLAIM_SIZE, Unit::Count, "Messages returned by one claim");
+    describe_gauge!(PENDING, Unit::Count, "Pending messages");
+    describe_gauge!(POISONED_NOW, Unit::Count, "Poisoned messages");
+    describe_gauge!(
+        OLDEST_PENDING_AGE,
+        Unit::Seconds,
+        "Age of the oldest pending message (0 when none)"
+    );
+    describe_gauge!(
+        TRANSPORT_UP,
+        "1 while the relay's transport is up, 0 while it is down and probed"
+    );
+}
