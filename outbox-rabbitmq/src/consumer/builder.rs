@@ -7,20 +7,31 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_api::{Error, Result};
-use outbox_sqlite::SqliteOutbox;
-use outbox_sqlite::sqlx::SqlitePool;
+#[cfg(feature = "postgres-inbox")]
+use outbox_postgres::{
+    PgOutbox,
+    sqlx::{PgConnection, PgPool},
+};
+#[cfg(feature = "sqlite-inbox")]
+use outbox_sqlite::{
+    SqliteOutbox,
+    sqlx::{SqliteConnection, SqlitePool},
+};
 use tokio::sync::watch;
 
 use super::InboxHandler;
 #[cfg(doc)]
 use super::Received;
 use super::handle::{ConsumerHandle, Counters, Shared, purge_inbox_loop};
+use super::inbox::Inbox;
 use super::order::Held;
 use super::session::Worker;
 use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 
-/// Consumes a RabbitMQ queue into a SQLite inbox. Start one with
-/// [`RabbitConsumer::builder`].
+/// Consumes a RabbitMQ queue into an inbox on SQLite
+/// ([`spawn`](RabbitConsumerBuilder::spawn), feature `sqlite-inbox`) or
+/// PostgreSQL ([`spawn_postgres`](RabbitConsumerBuilder::spawn_postgres),
+/// feature `postgres-inbox`). Start one with [`RabbitConsumer::builder`].
 ///
 /// For each delivery, in order (one at a time; up to `prefetch` are
 /// buffered):
@@ -30,12 +41,11 @@ use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 ///    it, if it has one), with a warning.
 /// 2. If an earlier delivery of the same ordering key ([`Received::key`])
 ///    waits for a retry, hold this one behind it (see *Order* below).
-/// 3. Run the inbox transaction,
-///    [`SqliteOutbox::receive_once`](outbox_sqlite::SqliteOutbox::receive_once):
-///    `BEGIN IMMEDIATE`; record `(consumer, message_id)` in the inbox — a
-///    duplicate is acknowledged without running the handler; run the
-///    [`InboxHandler`] (time limit, panics caught); on `Ok`, commit,
-///    **then** acknowledge.
+/// 3. Run the backend's inbox transaction (`SqliteOutbox::receive_once`,
+///    `PgOutbox::receive_once`): begin (`BEGIN IMMEDIATE` on SQLite);
+///    record `(consumer, message_id)` in the inbox — a duplicate is
+///    acknowledged without running the handler; run the [`InboxHandler`]
+///    (time limit, panics caught); on `Ok`, commit, **then** acknowledge.
 /// 4. Handler error, panic or timeout: rolled back; the delivery is tried
 ///    again **in place** after [`retry_delay`](RabbitConsumerBuilder::retry_delay),
 ///    counting the attempt in this process by message id; at
@@ -280,8 +290,9 @@ impl RabbitConsumerBuilder {
         Ok(())
     }
 
-    /// Checks the settings, connects, starts consuming and returns the
-    /// handle of the running consumer (on the current tokio runtime).
+    /// Checks the settings, connects, starts consuming into the **SQLite**
+    /// inbox and returns the handle of the running consumer (on the current
+    /// tokio runtime). Feature `sqlite-inbox`.
     ///
     /// `outbox` gives the inbox table (and is how the handler enqueues
     /// replies); `pool` is the application's sqlx pool on the same database
@@ -289,12 +300,46 @@ impl RabbitConsumerBuilder {
     /// invalid or the credentials are refused (`ErrorKind::Config`), the
     /// queue does not exist (`ErrorKind::NotFound`), or the broker cannot be
     /// reached (`ErrorKind::Unavailable`).
+    #[cfg(feature = "sqlite-inbox")]
     pub async fn spawn(
         self,
         outbox: SqliteOutbox,
         pool: SqlitePool,
-        handler: impl InboxHandler,
+        handler: impl InboxHandler<SqliteConnection>,
     ) -> Result<ConsumerHandle> {
+        self.spawn_on(Inbox::Sqlite {
+            outbox,
+            pool,
+            handler: Arc::new(handler),
+        })
+        .await
+    }
+
+    /// Checks the settings, connects, starts consuming into the
+    /// **PostgreSQL** inbox and returns the handle of the running consumer
+    /// (on the current tokio runtime). Feature `postgres-inbox`.
+    ///
+    /// `outbox` gives the inbox table (and is how the handler enqueues
+    /// replies, `outbox.enqueue(tx, …)`); `pool` is the application's sqlx
+    /// pool on the same database (one connection per delivery in flight,
+    /// one more while the inbox purge runs). Each delivery runs
+    /// [`PgOutbox::receive_once`]. Fails as [`spawn`](Self::spawn) does.
+    #[cfg(feature = "postgres-inbox")]
+    pub async fn spawn_postgres(
+        self,
+        outbox: PgOutbox,
+        pool: PgPool,
+        handler: impl InboxHandler<PgConnection>,
+    ) -> Result<ConsumerHandle> {
+        self.spawn_on(Inbox::Postgres {
+            outbox,
+            pool,
+            handler: Arc::new(handler),
+        })
+        .await
+    }
+
+    async fn spawn_on(self, inbox: Inbox) -> Result<ConsumerHandle> {
         self.validate()?;
         let uri = self.config.parse_url()?;
         let shared = Arc::new(Shared {
@@ -308,9 +353,7 @@ impl RabbitConsumerBuilder {
         let worker = Worker {
             settings: self,
             uri,
-            outbox,
-            pool,
-            handler: Arc::new(handler),
+            inbox,
             attempts: HashMap::new(),
             shared: Arc::clone(&shared),
             held: Held::default(),
@@ -322,13 +365,13 @@ impl RabbitConsumerBuilder {
         tracing::info!(
             queue = %shared.queue,
             consumer = %shared.consumer_name,
+            inbox = %worker.inbox.table(),
             url = %worker.settings.config.redacted_url(),
             "consuming from RabbitMQ"
         );
         let purger = worker.settings.inbox_retention.map(|retention| {
             tokio::spawn(purge_inbox_loop(
-                worker.outbox.clone(),
-                worker.pool.clone(),
+                worker.inbox.clone(),
                 retention,
                 worker.settings.inbox_purge_interval,
                 rx.clone(),

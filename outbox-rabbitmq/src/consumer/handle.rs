@@ -5,11 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_sqlite::SqliteOutbox;
-use outbox_sqlite::sqlx::SqlitePool;
 use tokio::sync::watch;
 
 use super::RabbitConsumerBuilder;
+use super::inbox::Inbox;
 
 /// What a consumer did since it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -82,8 +81,7 @@ pub struct ConsumerHandle {
 /// Deletes inbox entries older than `retention` every `interval`, in
 /// batches that rest between them, until shutdown.
 pub(super) async fn purge_inbox_loop(
-    outbox: SqliteOutbox,
-    pool: SqlitePool,
+    inbox: Inbox,
     retention: Duration,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
@@ -94,13 +92,13 @@ pub(super) async fn purge_inbox_loop(
         let purged = outbox_api::backend::purge_in_batches(
             RabbitConsumerBuilder::INBOX_PURGE_BATCH,
             || *stop.borrow(),
-            |limit| outbox.purge_inbox(&pool, before, limit),
+            |limit| inbox.purge(before, limit),
         )
         .await;
         match purged {
             Ok(0) => {}
             Ok(n) => {
-                tracing::info!(purged = n, table = %outbox.inbox_table(), "purged inbox entries past retention")
+                tracing::info!(purged = n, table = %inbox.table(), "purged inbox entries past retention")
             }
             Err(e) => tracing::warn!(error = %e, "inbox purge failed; will retry"),
         }

@@ -13,14 +13,13 @@ use lapin::types::{FieldTable, LongString, ShortString};
 use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 use outbox_api::{Error, MessageId, Result};
-use outbox_sqlite::SqliteOutbox;
-use outbox_sqlite::sqlx::SqlitePool;
 use tokio::sync::watch;
 use tokio::time::{Instant, timeout};
 
+use super::RabbitConsumerBuilder;
 use super::handle::{Shared, bump};
+use super::inbox::Inbox;
 use super::order::Held;
-use super::{InboxHandler, RabbitConsumerBuilder};
 use crate::transport::{backoff, connect_error};
 
 /// An open connection consuming the queue.
@@ -36,9 +35,8 @@ pub(super) const MAX_TRACKED_ATTEMPTS: usize = 10_000;
 pub(super) struct Worker {
     pub(super) settings: RabbitConsumerBuilder,
     pub(super) uri: AMQPUri,
-    pub(super) outbox: SqliteOutbox,
-    pub(super) pool: SqlitePool,
-    pub(super) handler: Arc<dyn InboxHandler>,
+    /// The inbox (and the application's handler on its connection).
+    pub(super) inbox: Inbox,
     /// Handler failures so far, by message id, with when the last one happened.
     pub(super) attempts: HashMap<MessageId, (u32, Instant)>,
     pub(super) shared: Arc<Shared>,
