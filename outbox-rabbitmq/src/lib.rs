@@ -11,7 +11,7 @@ mod topology;
 mod transport;
 
 pub use config::{MAX_SHORT_STRING, RabbitConfig, URL_ENV};
-pub use topology::{ExchangeType, Topology};
+pub use topology::{ExchangeType, QueueType, Topology};
 pub use transport::{KEY_HEADER, RabbitTransport, TRACEPARENT_HEADER};
 
 #[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
