@@ -5,12 +5,14 @@
 mod config;
 #[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 mod consumer;
+mod partition;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod topology;
 mod transport;
 
 pub use config::{MAX_SHORT_STRING, RabbitConfig, URL_ENV};
+pub use partition::{MAX_PARTITIONS, Partitions};
 pub use topology::{ExchangeType, QueueType, Topology};
 pub use transport::{KEY_HEADER, RabbitTransport, TRACEPARENT_HEADER};
 

@@ -6,6 +6,7 @@ use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{Channel, ExchangeKind};
 use outbox_api::{Error, Result};
 
+use crate::Partitions;
 use crate::config::MAX_SHORT_STRING;
 
 /// The type of an exchange.
@@ -245,6 +246,64 @@ impl Topology {
             Some(n) => DeliveryLimit::Limit(n),
             None => DeliveryLimit::Unlimited,
         };
+        self
+    }
+
+    /// Gives `queue` a **single active consumer**
+    /// (`x-single-active-consumer`): however many consumers subscribe, the
+    /// broker delivers to one at a time, and to the next when it goes away.
+    /// Adds `queue` (quorum) if it was not added yet.
+    pub fn single_active_consumer(mut self, queue: impl Into<String>) -> Self {
+        let queue = queue.into();
+        self = self.queue(queue.clone());
+        self.spec(&queue).single_active_consumer = true;
+        self
+    }
+
+    /// The partition queues of `partitions` (`<prefix>.0` …), each a quorum
+    /// queue with a [single active consumer](Self::single_active_consumer):
+    /// a key's messages are consumed by one process at a time, in order.
+    /// Bind them with [`bind_partitioned`](Self::bind_partitioned).
+    pub fn partitioned(mut self, partitions: &Partitions) -> Self {
+        for queue in partitions.queues() {
+            self = self.single_active_consumer(queue);
+        }
+        self
+    }
+
+    /// Binds partition `i` of `partitions` to `exchange` with routing key
+    /// `<routing_key>.<i>`, for every `i`: what the relay's transport
+    /// publishes to an exchange configured with
+    /// [`with_partitioned_exchange`](crate::RabbitConfig::with_partitioned_exchange)
+    /// and the same count. Call once per routing key (e.g. message type).
+    pub fn bind_partitioned(
+        mut self,
+        partitions: &Partitions,
+        exchange: impl Into<String>,
+        routing_key: impl Into<String>,
+    ) -> Self {
+        let (exchange, routing_key) = (exchange.into(), routing_key.into());
+        for i in 0..partitions.count() {
+            self = self.bind(
+                partitions.queue(i),
+                exchange.clone(),
+                Partitions::routing_key(&routing_key, i),
+            );
+        }
+        self
+    }
+
+    /// Dead-letters every partition queue of `partitions` to
+    /// `dead_letter_exchange` (see [`dead_letter`](Self::dead_letter)).
+    pub fn dead_letter_partitioned(
+        mut self,
+        partitions: &Partitions,
+        dead_letter_exchange: impl Into<String>,
+    ) -> Self {
+        let dlx = dead_letter_exchange.into();
+        for queue in partitions.queues() {
+            self = self.dead_letter(queue, dlx.clone());
+        }
         self
     }
 
