@@ -212,6 +212,24 @@ impl Worker {
                     self.close(s).await;
                     return true;
                 }
+                // Before the deliveries: with a steady backlog a later
+                // branch of this biased select would never be polled.
+                _ = check.tick() => {
+                    if !s.connection.status().connected() || !s.channel.status().connected() {
+                        tracing::warn!(queue = %self.shared.queue, "RabbitMQ connection lost; reconnecting");
+                        return false;
+                    }
+                    if self.shared.standby && self.owner_present(&s.connection).await == Some(true) {
+                        // Closing the channel returns the deliveries not
+                        // acknowledged yet to the queue's head, in order,
+                        // and the single active consumer that waits gets
+                        // them first.
+                        bump(&self.shared.counters.handovers);
+                        tracing::info!(queue = %self.shared.queue, "the partition's owner is back; handing it over");
+                        self.close(s).await;
+                        return false;
+                    }
+                }
                 Some(lane) = self.held.due() => {
                     if !self.on_due(lane).await {
                         tracing::warn!(queue = %self.shared.queue, "acknowledging failed; reconnecting");
@@ -238,22 +256,6 @@ impl Worker {
                         return false;
                     }
                 },
-                _ = check.tick() => {
-                    if !s.connection.status().connected() || !s.channel.status().connected() {
-                        tracing::warn!(queue = %self.shared.queue, "RabbitMQ connection lost; reconnecting");
-                        return false;
-                    }
-                    if self.shared.standby && self.owner_present(&s.connection).await == Some(true) {
-                        // Closing the channel returns the deliveries not
-                        // acknowledged yet to the queue's head, in order,
-                        // and the single active consumer that waits gets
-                        // them first.
-                        bump(&self.shared.counters.handovers);
-                        tracing::info!(queue = %self.shared.queue, "the partition's owner is back; handing it over");
-                        self.close(s).await;
-                        return false;
-                    }
-                }
             }
         }
     }
