@@ -243,7 +243,7 @@ async fn three_consumers_one_sigkilled_and_restarted() {
         .expect("declare the partitioned topology");
     let db = PgUnderTest::fresh(None).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        r#"CREATE TABLE "{}".log (n BIGSERIAL PRIMARY KEY, consumer TEXT NOT NULL, key TEXT NOT NULL, seq INT NOT NULL)"#,
+        r#"CREATE TABLE "{}".log (n BIGSERIAL PRIMARY KEY, consumer TEXT NOT NULL, key TEXT NOT NULL, seq INT NOT NULL, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp())"#,
         db.schema()
     )))
     .execute(db.pool())
@@ -284,6 +284,7 @@ async fn three_consumers_one_sigkilled_and_restarted() {
             }
         }
     };
+    let killed_at = std::sync::OnceLock::<std::time::SystemTime>::new();
     // Replica 1 is SIGKILLed while the first half is handled…
     let killing = async {
         wait_until("a quarter is handled", DEADLINE, || async {
@@ -291,6 +292,7 @@ async fn three_consumers_one_sigkilled_and_restarted() {
         })
         .await;
         replicas[1].take().unwrap().sigkill();
+        killed_at.set(std::time::SystemTime::now()).unwrap();
         let at_kill = logged().await;
         wait_until(
             "the others go on with the killed one's partitions",
@@ -337,8 +339,8 @@ async fn three_consumers_one_sigkilled_and_restarted() {
     }
     assert_eq!(admin.ready(&dlq).await, 0, "nothing was dead-lettered");
 
-    let log: Vec<(String, String, i32)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
-        r#"SELECT consumer, key, seq FROM "{}".log ORDER BY n"#,
+    let log: Vec<(String, String, i32, f64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+        r#"SELECT consumer, key, seq, EXTRACT(EPOCH FROM at)::float8 FROM "{}".log ORDER BY n"#,
         db.schema()
     )))
     .fetch_all(db.pool())
@@ -346,7 +348,7 @@ async fn three_consumers_one_sigkilled_and_restarted() {
     .unwrap();
     assert_eq!(log.len(), TOTAL, "each message's effect exactly once");
     let mut keys: BTreeMap<&str, Vec<i32>> = BTreeMap::new();
-    for (_, key, seq) in &log {
+    for (_, key, seq, _) in &log {
         keys.entry(key.as_str()).or_default().push(*seq);
     }
     assert_eq!(keys.len(), KEYS);
@@ -355,15 +357,28 @@ async fn three_consumers_one_sigkilled_and_restarted() {
         assert_eq!(seqs, &want, "key {key}: each effect once, in order");
     }
     // The killed replica's partitions went on elsewhere before it came back.
-    let taken_over = log
+    let killed = killed_at
+        .get()
+        .expect("the kill happened")
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let first_taken_over = log
         .iter()
-        .filter(|(by, key, _)| {
-            Partitions::of_key(key, PARTITIONS) % REPLICAS == 1 && !by.starts_with("c1-")
+        .filter(|(by, key, _, at)| {
+            Partitions::of_key(key, PARTITIONS) % REPLICAS == 1
+                && !by.starts_with("c1-")
+                && *at > killed
         })
-        .count();
+        .map(|e| e.3)
+        .fold(f64::INFINITY, f64::min);
     assert!(
-        taken_over > 0,
+        first_taken_over.is_finite(),
         "the survivors took the killed replica's partitions over"
+    );
+    println!(
+        "the killed replica's partitions were consumed again {:.0} ms after the SIGKILL (takeover_check 250 ms)",
+        (first_taken_over - killed) * 1000.0
     );
     let consumers: std::collections::BTreeSet<&str> = log.iter().map(|e| e.0.as_str()).collect();
     assert!(
