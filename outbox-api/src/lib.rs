@@ -14,6 +14,7 @@ mod enqueue;
 mod error;
 mod guard;
 mod health;
+mod inbox;
 mod message;
 mod purge;
 mod retry;
@@ -32,6 +33,7 @@ pub use enqueue::Enqueue;
 pub use error::{Error, ErrorKind, Result};
 pub use guard::{HandlerOutcome, TemporarilyUnavailable, run_guarded};
 pub use health::{HealthReport, HealthStatus, TransportHealth};
+pub use inbox::InboxOutcome;
 pub use message::{
     Destination, Message, MessageId, MessageKind, MessageState, NewMessage, OutboxMessage,
     Timestamp, is_valid_traceparent, limits,

@@ -5,6 +5,7 @@
 mod announce;
 mod builder;
 mod error;
+mod inbox;
 mod listener;
 mod migrate;
 mod operator;

@@ -249,7 +249,12 @@ impl PgOutbox {
     }
 
     fn fail_inbox(&self, e: sqlx::Error, what: &str) -> Error {
-        from_sqlx(e, what, &self.shared.sql.names.inbox_display())
+        from_sqlx(e, what, &self.inbox_display())
+    }
+
+    /// `schema.inbox`, for messages.
+    pub(crate) fn inbox_display(&self) -> String {
+        self.shared.sql.names.inbox_display()
     }
 
     /// An [`Enqueue`] over a connection or transaction, for application code

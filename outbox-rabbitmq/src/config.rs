@@ -35,6 +35,8 @@ pub struct RabbitConfig {
     pub(crate) reconnect_min: Duration,
     pub(crate) reconnect_max: Duration,
     pub(crate) connection_name: String,
+    /// Partitioned exchanges and their partition counts.
+    pub(crate) partitioned: std::collections::BTreeMap<String, u16>,
 }
 
 impl RabbitConfig {
@@ -79,6 +81,7 @@ impl RabbitConfig {
             reconnect_min: Self::DEFAULT_RECONNECT_MIN,
             reconnect_max: Self::DEFAULT_RECONNECT_MAX,
             connection_name: "outbox-rs relay".to_owned(),
+            partitioned: std::collections::BTreeMap::new(),
         }
     }
 
@@ -117,6 +120,25 @@ impl RabbitConfig {
     /// the routing key is the message's type.
     pub fn with_routing_key(mut self, routing_key: impl Into<String>) -> Self {
         self.routing_key = Some(routing_key.into());
+        self
+    }
+
+    /// Publishes to `exchange` **partitioned by ordering key** into
+    /// `partitions` partitions: a message's routing key becomes
+    /// `<routing key>.<partition>`, the partition being
+    /// [`Partitions::of_message`](crate::Partitions::of_message) of its key
+    /// (of its id when it has none). Subscribers bind `partitions` queues
+    /// with [`Topology::partitioned`](crate::Topology::partitioned) and
+    /// [`Topology::bind_partitioned`](crate::Topology::bind_partitioned)
+    /// with the same count. A count the subscribers do not bind leaves some
+    /// routing keys unroutable: those messages are `Rejected` (never lost
+    /// silently).
+    pub fn with_partitioned_exchange(
+        mut self,
+        exchange: impl Into<String>,
+        partitions: u16,
+    ) -> Self {
+        self.partitioned.insert(exchange.into(), partitions);
         self
     }
 
@@ -198,6 +220,17 @@ impl RabbitConfig {
                     ),
                 ));
             }
+        }
+        for (exchange, partitions) in &self.partitioned {
+            crate::partition::check_count(*partitions).map_err(|_| {
+                Error::config(
+                    "partitioned_exchange",
+                    format!(
+                        "`{exchange}`: partitions must be 1 to {} (got {partitions})",
+                        crate::MAX_PARTITIONS
+                    ),
+                )
+            })?;
         }
         if self.confirm_timeout.is_zero() {
             return Err(Error::config(
@@ -295,6 +328,7 @@ impl fmt::Debug for RabbitConfig {
             .field("url", &self.redacted_url())
             .field("default_exchange", &self.default_exchange)
             .field("routing_key", &self.routing_key)
+            .field("partitioned", &self.partitioned)
             .field("confirm_timeout", &self.confirm_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("reconnect_min", &self.reconnect_min)

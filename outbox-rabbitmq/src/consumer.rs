@@ -1,8 +1,10 @@
-//! [`RabbitConsumer`]: consumes a queue into a SQLite inbox (feature
-//! `sqlite-inbox`), so that at-least-once delivery gives exactly-once
-//! effects.
+//! [`RabbitConsumer`]: consumes a queue into an inbox on SQLite (feature
+//! `sqlite-inbox`) or PostgreSQL (feature `postgres-inbox`), so that
+//! at-least-once delivery gives exactly-once effects.
 //!
 //! One concern per module: [`builder`] (settings, checks, spawn),
+//! [`inbox`] (the one enum over the inbox backends: their inbox
+//! transaction and purge),
 //! [`received`] (the decoded delivery), [`handler`] (the application's
 //! handler), [`session`] (connect, consume, reconnect), [`settle`] (run the
 //! inbox transaction, then acknowledge, retry or dead-letter), [`order`]
@@ -41,6 +43,7 @@
 mod builder;
 mod handle;
 mod handler;
+mod inbox;
 mod order;
 mod received;
 mod session;

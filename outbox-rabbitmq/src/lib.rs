@@ -3,26 +3,31 @@
 #![warn(missing_docs)]
 
 mod config;
-#[cfg(feature = "sqlite-inbox")]
+#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 mod consumer;
 pub mod metrics;
+mod partition;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod topology;
 mod transport;
 
 pub use config::{MAX_SHORT_STRING, RabbitConfig, URL_ENV};
-pub use topology::{ExchangeType, Topology};
+pub use partition::{MAX_PARTITIONS, Partitions};
+pub use topology::{ExchangeType, QueueType, Topology};
 pub use transport::{KEY_HEADER, RabbitTransport, TRACEPARENT_HEADER};
 
-#[cfg(feature = "sqlite-inbox")]
+#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 pub use consumer::{
     ConsumerHandle, ConsumerStats, FnHandler, HandlerFuture, InboxHandler, RabbitConsumer,
     RabbitConsumerBuilder, Received, handler_fn,
 };
 /// The handler error type of [`InboxHandler`] (any boxed error).
-#[cfg(feature = "sqlite-inbox")]
+#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 pub use outbox_api::HandlerError;
+/// The PostgreSQL backend the consumer's inbox lives in (and its `sqlx`), re-exported.
+#[cfg(feature = "postgres-inbox")]
+pub use outbox_postgres as postgres;
 /// The SQLite backend the consumer's inbox lives in (and its `sqlx`), re-exported.
 #[cfg(feature = "sqlite-inbox")]
 pub use outbox_sqlite as sqlite;

@@ -6,114 +6,17 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
-use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
 use outbox_api::testing::wait_until;
 use outbox_api::{MessageId, TemporarilyUnavailable};
 use outbox_rabbitmq::sqlite::sqlx::{self, SqliteConnection};
-use outbox_rabbitmq::testing::{TcpProxy, amqp_url, broker_addr, unique_name, url_via};
-use outbox_rabbitmq::{HandlerFuture, KEY_HEADER, RabbitConsumer, Received, handler_fn};
+use outbox_rabbitmq::testing::{TcpProxy, amqp_url, broker_addr, url_via};
+use outbox_rabbitmq::{HandlerFuture, RabbitConsumer, Received, handler_fn};
 use outbox_sqlite::testing::SqlxUnderTest;
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
-struct Queue {
-    _connection: Connection,
-    channel: Channel,
-    name: String,
-}
-
-impl Queue {
-    async fn new() -> Queue {
-        let connection = Connection::connect(&amqp_url(), ConnectionProperties::default())
-            .await
-            .expect("test connection to OUTBOX_AMQP_URL");
-        let channel = connection.create_channel().await.expect("channel");
-        let name = unique_name("consumer");
-        channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare queue");
-        Queue {
-            _connection: connection,
-            channel,
-            name,
-        }
-    }
-
-    async fn publish(&self, id: MessageId) {
-        self.channel
-            .basic_publish(
-                "".into(),
-                self.name.as_str().into(),
-                BasicPublishOptions::default(),
-                id.to_string().as_bytes(),
-                BasicProperties::default()
-                    .with_message_id(ShortString::from(id.to_string()))
-                    .with_delivery_mode(2),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("confirm");
-    }
-
-    /// Publishes `body` with ordering key `key` (header `x-outbox-key`, as
-    /// the relay sends it).
-    async fn publish_keyed(&self, key: &str, body: &str) {
-        let id = MessageId::new();
-        let mut headers = FieldTable::default();
-        headers.insert(
-            ShortString::from(KEY_HEADER),
-            AMQPValue::LongString(LongString::from(key)),
-        );
-        self.channel
-            .basic_publish(
-                "".into(),
-                self.name.as_str().into(),
-                BasicPublishOptions::default(),
-                body.as_bytes(),
-                BasicProperties::default()
-                    .with_message_id(ShortString::from(id.to_string()))
-                    .with_headers(headers)
-                    .with_delivery_mode(2),
-            )
-            .await
-            .expect("publish")
-            .await
-            .expect("confirm");
-    }
-
-    async fn ready(&self) -> u32 {
-        self.channel
-            .queue_declare(
-                self.name.as_str().into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .expect("passive declare")
-            .message_count()
-    }
-
-    async fn cleanup(self) {
-        let _ = self
-            .channel
-            .queue_delete(self.name.as_str().into(), QueueDeleteOptions::default())
-            .await;
-    }
-}
+mod support;
+use support::Queue;
 
 async fn database() -> SqlxUnderTest {
     let db = SqlxUnderTest::fresh(None).await;

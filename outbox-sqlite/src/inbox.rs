@@ -5,51 +5,10 @@
 
 use std::time::Duration;
 
-use outbox_api::{HandlerError, HandlerOutcome, MessageId, run_guarded};
+use outbox_api::{HandlerError, InboxOutcome, MessageId, run_guarded};
 use sqlx::{SqliteConnection, SqlitePool};
 
 use crate::SqliteOutbox;
-
-/// How one [`SqliteOutbox::receive_once`] ended.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum InboxOutcome {
-    /// The handler succeeded; its effects and the inbox entry are committed.
-    /// Acknowledge the message.
-    Committed,
-    /// The inbox had the message already: it was handled before, the
-    /// handler did **not** run. Acknowledge the message.
-    Duplicate,
-    /// The handler returned an error, panicked or timed out: rolled back
-    /// (no effects, no inbox entry, so a retry runs it again). A counted
-    /// failure; holds the error text.
-    HandlerFailed(String),
-    /// The handler said
-    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable): rolled
-    /// back; retry later without counting an attempt.
-    HandlerUnavailable {
-        /// Why (the error text).
-        reason: String,
-        /// The delay the handler asked for, if any.
-        retry_after: Option<Duration>,
-    },
-    /// The database failed (begin, inbox insert or commit): rolled back, the
-    /// handler's effects are not kept. An outage, not the message's fault:
-    /// retry later without counting an attempt. Holds the error text.
-    StoreFailed(String),
-}
-
-impl InboxOutcome {
-    /// A short name for logs and spans.
-    pub fn name(&self) -> &'static str {
-        match self {
-            InboxOutcome::Committed => "committed",
-            InboxOutcome::Duplicate => "duplicate",
-            InboxOutcome::HandlerFailed(_) => "handler-failed",
-            InboxOutcome::HandlerUnavailable { .. } => "handler-unavailable",
-            InboxOutcome::StoreFailed(_) => "store-failed",
-        }
-    }
-}
 
 impl SqliteOutbox {
     /// Receives `message_id` for `consumer` exactly once, in one transaction
@@ -119,17 +78,7 @@ impl SqliteOutbox {
             }
         }
         let outcome = run_guarded(handler_timeout, handler(&mut tx)).await;
-        let not_committed = match outcome {
-            HandlerOutcome::Succeeded => None,
-            HandlerOutcome::Failed(error) => Some(InboxOutcome::HandlerFailed(error)),
-            HandlerOutcome::Unavailable {
-                reason,
-                retry_after,
-            } => Some(InboxOutcome::HandlerUnavailable {
-                reason,
-                retry_after,
-            }),
-        };
+        let not_committed = InboxOutcome::unless_succeeded(outcome);
         if let Some(outcome) = not_committed {
             let _ = tx.rollback().await;
             return outcome;

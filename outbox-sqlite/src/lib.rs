@@ -16,9 +16,11 @@ mod store;
 pub mod testing;
 
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
-pub use inbox::InboxOutcome;
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};
+/// How one [`SqliteOutbox::receive_once`] ended (defined in `outbox-api`,
+/// shared with the other backends).
+pub use outbox_api::InboxOutcome;
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE};
 pub use store::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStore, SqliteStoreBuilder};
 

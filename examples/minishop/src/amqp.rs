@@ -14,7 +14,6 @@ use outbox::rabbitmq::{
 use crate::fail::{Context, Fail};
 use crate::inbox::{AmqpInbox, InboxModule};
 use crate::messages::{OrderPlaced, StockRejected, StockReserved};
-use crate::pg_consumer::PgConsumer;
 use outbox::OutboxMessage;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -102,39 +101,31 @@ pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<Rabbit
         .context("connecting to RabbitMQ")
 }
 
-/// A module's consumer: the library's `RabbitConsumer` on SQLite, MiniShop's
-/// own [`PgConsumer`] on PostgreSQL.
+/// Counted handler failures after which a delivery is dead-lettered, on
+/// PostgreSQL (SQLite keeps the library's default, 3).
+pub const PG_MAX_ATTEMPTS: u32 = 5;
+/// Deliveries the broker sends ahead to each consumer.
+const PREFETCH: u16 = 200;
+
+/// A module's consumer: the library's `RabbitConsumer`, into the module's
+/// SQLite or PostgreSQL inbox.
 #[derive(Debug)]
-pub enum Consumer {
-    /// Into a SQLite inbox.
-    Sqlite(ConsumerHandle),
-    /// Into a PostgreSQL inbox.
-    Postgres(PgConsumer),
-}
+pub struct Consumer(ConsumerHandle);
 
 impl Consumer {
     /// The queue it consumes.
     pub fn queue(&self) -> &str {
-        match self {
-            Consumer::Sqlite(c) => c.queue(),
-            Consumer::Postgres(c) => c.queue(),
-        }
+        self.0.queue()
     }
 
     /// Whether it still runs.
     pub fn is_running(&self) -> bool {
-        match self {
-            Consumer::Sqlite(c) => c.is_running(),
-            Consumer::Postgres(c) => c.is_running(),
-        }
+        self.0.is_running()
     }
 
     /// Whether it is connected to the broker now.
     pub fn is_connected(&self) -> bool {
-        match self {
-            Consumer::Sqlite(c) => c.is_connected(),
-            Consumer::Postgres(c) => c.is_connected(),
-        }
+        self.0.is_connected()
     }
 
     /// What it has done, for humans.
@@ -144,71 +135,66 @@ impl Consumer {
         } else {
             "NOT connected"
         };
-        let (handled, duplicates, retried, dead, store_errors) = match self {
-            Consumer::Sqlite(c) => {
-                let s = c.stats();
-                (
-                    s.handled,
-                    s.duplicates,
-                    s.retried,
-                    s.dead_lettered,
-                    s.store_errors,
-                )
-            }
-            Consumer::Postgres(c) => {
-                let s = c.counters();
-                let n =
-                    |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-                (
-                    n(&s.handled),
-                    n(&s.duplicates),
-                    n(&s.retried),
-                    n(&s.dead_lettered),
-                    n(&s.store_errors),
-                )
-            }
-        };
+        let s = self.0.stats();
         format!(
-            "consumer of `{}`: {state}, handled {handled}, duplicates {duplicates}, retried {retried}, dead-lettered {dead}, store errors {store_errors}",
-            self.queue()
+            "consumer of `{}`: {state}, handled {}, duplicates {}, retried {}, dead-lettered {}, store errors {}",
+            self.queue(),
+            s.handled,
+            s.duplicates,
+            s.retried,
+            s.dead_lettered,
+            s.store_errors
         )
     }
 
     /// Stops it.
     pub async fn shutdown(&self) {
-        match self {
-            Consumer::Sqlite(c) => c.shutdown().await,
-            Consumer::Postgres(c) => c.shutdown().await,
-        }
+        self.0.shutdown().await
     }
 }
 
 /// Consumes `queue` into `module`'s inbox (ack after the inbox commit).
 pub async fn consumer(
     url: &str,
-    redacted: &str,
     queue: &str,
     module: Arc<dyn InboxModule>,
 ) -> Result<Consumer, Fail> {
     let db = module.db().clone();
-    let Some((outbox, pool)) = db.sqlite() else {
-        return Ok(Consumer::Postgres(
-            PgConsumer::spawn(url, redacted, queue, module).await?,
-        ));
-    };
     let config = RabbitConfig::new(url)
         .with_connect_timeout(CONNECT_TIMEOUT)
         .with_connection_name(format!("minishop {} consumer", db.name));
-    let handler = AmqpInbox {
-        module,
-        outbox: outbox.clone(),
-    };
-    RabbitConsumer::with_config(config, queue)
+    let builder = RabbitConsumer::with_config(config, queue)
         .consumer_name(db.name)
-        .prefetch(200)
-        .spawn(outbox.clone(), pool.clone(), handler)
-        .await
-        .map(Consumer::Sqlite)
+        .prefetch(PREFETCH);
+    let spawned = match (db.sqlite(), db.postgres()) {
+        (Some((outbox, pool)), _) => {
+            let handler = AmqpInbox {
+                module,
+                outbox: outbox.clone(),
+            };
+            builder.spawn(outbox.clone(), pool.clone(), handler).await
+        }
+        (None, Some((outbox, pool))) => {
+            let handler = AmqpInbox {
+                module,
+                outbox: outbox.clone(),
+            };
+            builder
+                .max_attempts(PG_MAX_ATTEMPTS)
+                .retry_delay(Duration::from_millis(50))
+                .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
+                .spawn_postgres(outbox.clone(), pool.clone(), handler)
+                .await
+        }
+        (None, None) => {
+            return Err(Fail(format!(
+                "the {} database is neither SQLite nor PostgreSQL",
+                db.name
+            )));
+        }
+    };
+    spawned
+        .map(Consumer)
         .context(format!("consuming RabbitMQ queue `{queue}`"))
 }
 

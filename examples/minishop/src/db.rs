@@ -25,9 +25,7 @@ use outbox::sqlite::sqlx::sqlite::{
 };
 use outbox::sqlite::sqlx::{self, Sqlite, SqliteConnection};
 use outbox::sqlite::{SqliteOutbox, SqliteStore};
-use outbox::{
-    HandlerError, HandlerOutcome, MessageId, NewMessage, OperatorStore, Store, run_guarded,
-};
+use outbox::{HandlerError, MessageId, NewMessage, OperatorStore, Store};
 
 use crate::fail::{Context, Fail};
 
@@ -391,12 +389,21 @@ impl ModuleDb {
         }
     }
 
-    /// The SQLite outbox and pool, when on SQLite (for `RabbitConsumer`,
-    /// whose inbox is SQLite's).
+    /// The SQLite outbox and pool, when on SQLite (for `RabbitConsumer`'s
+    /// SQLite inbox).
     pub fn sqlite(&self) -> Option<(&SqliteOutbox, &SqlitePool)> {
         match &self.backend {
             Backend::Sqlite { outbox, pool, .. } => Some((outbox, pool)),
             Backend::Postgres { .. } => None,
+        }
+    }
+
+    /// The PostgreSQL outbox and pool, when on PostgreSQL (for
+    /// `RabbitConsumer`'s PostgreSQL inbox).
+    pub fn postgres(&self) -> Option<(&PgOutbox, &PgPool)> {
+        match &self.backend {
+            Backend::Postgres { outbox, pool, .. } => Some((outbox, pool)),
+            Backend::Sqlite { .. } => None,
         }
     }
 
@@ -415,8 +422,7 @@ impl ModuleDb {
     /// The inbox transaction: records `(self.name, id)` in the inbox (a
     /// duplicate: the handler does not run), runs `handler` guarded (error,
     /// panic or timeout: roll back), commits. On SQLite this is
-    /// `SqliteOutbox::receive_once`; on PostgreSQL the same steps with
-    /// `PgOutbox::try_receive`.
+    /// `SqliteOutbox::receive_once`; on PostgreSQL `PgOutbox::receive_once`.
     pub async fn receive_once<F>(
         &self,
         id: MessageId,
@@ -435,7 +441,11 @@ impl ModuleDb {
                     .await
             }
             Backend::Postgres { pool, outbox, .. } => {
-                receive_once_pg(pool, outbox, self.name, id, timeout, handler).await
+                outbox
+                    .receive_once(pool, self.name, id, timeout, async move |tx| {
+                        handler(&mut Conn::Postgres(tx, outbox)).await
+                    })
+                    .await
             }
         }
     }
@@ -523,62 +533,6 @@ async fn open_postgres(
         pool,
         store,
     })
-}
-
-/// `SqliteOutbox::receive_once`'s steps, on PostgreSQL.
-async fn receive_once_pg<F>(
-    pool: &PgPool,
-    outbox: &PgOutbox,
-    consumer: &str,
-    id: MessageId,
-    timeout: Duration,
-    handler: F,
-) -> InboxOutcome
-where
-    F: AsyncFnOnce(&mut Conn<'_>) -> Result<(), HandlerError>,
-{
-    let inbox = format!("{}.{}", outbox.schema(), outbox.inbox_table());
-    let mut tx = match pool.begin().await {
-        Ok(tx) => tx,
-        Err(e) => {
-            return InboxOutcome::StoreFailed(format!(
-                "beginning the inbox transaction on `{inbox}`: {e}"
-            ));
-        }
-    };
-    match outbox.try_receive(&mut tx, consumer, id).await {
-        Ok(true) => {}
-        Ok(false) => {
-            let _ = tx.rollback().await;
-            return InboxOutcome::Duplicate;
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            return InboxOutcome::StoreFailed(e.to_string());
-        }
-    }
-    let outcome = run_guarded(timeout, handler(&mut Conn::Postgres(&mut tx, outbox))).await;
-    let not_committed = match outcome {
-        HandlerOutcome::Succeeded => None,
-        HandlerOutcome::Failed(error) => Some(InboxOutcome::HandlerFailed(error)),
-        HandlerOutcome::Unavailable {
-            reason,
-            retry_after,
-        } => Some(InboxOutcome::HandlerUnavailable {
-            reason,
-            retry_after,
-        }),
-    };
-    if let Some(outcome) = not_committed {
-        let _ = tx.rollback().await;
-        return outcome;
-    }
-    match tx.commit().await {
-        Ok(()) => InboxOutcome::Committed,
-        Err(e) => InboxOutcome::StoreFailed(format!(
-            "committing the inbox transaction on `{inbox}`: {e}"
-        )),
-    }
 }
 
 /// Milliseconds since the Unix epoch (what the tables store).

@@ -12,10 +12,9 @@
 //!
 //! * [`EmbeddedBus`] (the default) runs it in-process in [`receive`] and
 //!   answers the sending relay `Delivered` only after the commit;
-//! * with RabbitMQ on SQLite, [`AmqpInbox`] hands the same handler to the
-//!   library's `RabbitConsumer`, which runs the same transaction and acks
-//!   after the commit; on PostgreSQL, [`crate::pg_consumer`] does (the
-//!   library's consumer has a SQLite inbox only).
+//! * with RabbitMQ, [`AmqpInbox`] hands the same handler to the library's
+//!   `RabbitConsumer` (its SQLite or PostgreSQL inbox), which runs the same
+//!   transaction and acks after the commit.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -23,6 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox::postgres::PgOutbox;
+use outbox::postgres::sqlx::PgConnection;
 use outbox::rabbitmq::{InboxHandler, Received};
 use outbox::sqlite::sqlx::SqliteConnection;
 use outbox::sqlite::{InboxOutcome, SqliteOutbox};
@@ -133,27 +134,35 @@ impl Transport for EmbeddedBus {
     }
 }
 
-/// A module's inbox handler as a `RabbitConsumer` handler (SQLite): the
-/// consumer runs the inbox transaction, this runs [`InboxModule::handle`]
-/// in it, with the module's outbox for its replies.
+/// A module's inbox handler as a `RabbitConsumer` handler: the consumer
+/// runs the inbox transaction (SQLite or PostgreSQL, by the outbox `O`),
+/// this runs [`InboxModule::handle`] in it, with the module's outbox for
+/// its replies.
 #[derive(Debug)]
-pub struct AmqpInbox {
+pub struct AmqpInbox<O> {
     /// The receiving module.
     pub module: Arc<dyn InboxModule>,
-    /// Its SQLite outbox.
-    pub outbox: SqliteOutbox,
+    /// Its outbox (`SqliteOutbox` or `PgOutbox`).
+    pub outbox: O,
+}
+
+impl<O> AmqpInbox<O> {
+    async fn run(&self, msg: &Received, tx: &mut Conn<'_>) -> Result<(), HandlerError> {
+        let message_type = msg.message_type.as_deref().unwrap_or_default();
+        self.module.handle(message_type, &msg.payload, tx).await
+    }
 }
 
 #[async_trait]
-impl InboxHandler for AmqpInbox {
+impl InboxHandler<SqliteConnection> for AmqpInbox<SqliteOutbox> {
     async fn handle(&self, msg: &Received, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
-        let message_type = msg.message_type.as_deref().unwrap_or_default();
-        self.module
-            .handle(
-                message_type,
-                &msg.payload,
-                &mut Conn::Sqlite(tx, &self.outbox),
-            )
-            .await
+        self.run(msg, &mut Conn::Sqlite(tx, &self.outbox)).await
+    }
+}
+
+#[async_trait]
+impl InboxHandler<PgConnection> for AmqpInbox<PgOutbox> {
+    async fn handle(&self, msg: &Received, tx: &mut PgConnection) -> Result<(), HandlerError> {
+        self.run(msg, &mut Conn::Postgres(tx, &self.outbox)).await
     }
 }

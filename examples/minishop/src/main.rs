@@ -35,7 +35,6 @@ mod inbox;
 mod load;
 mod messages;
 mod ordering;
-mod pg_consumer;
 mod shop;
 mod warehouse;
 

@@ -111,13 +111,9 @@ impl Shop {
                     .context("declaring the RabbitMQ topology")?;
                 let warehouse_out = amqp::transport(&url, &names, "warehouse").await?;
                 let mut consumers = Vec::new();
-                consumers.push(
-                    amqp::consumer(&url, &redacted, &names.warehouse_queue, warehouse_inbox)
-                        .await?,
-                );
-                consumers.push(
-                    amqp::consumer(&url, &redacted, &names.ordering_queue, ordering_inbox).await?,
-                );
+                consumers
+                    .push(amqp::consumer(&url, &names.warehouse_queue, warehouse_inbox).await?);
+                consumers.push(amqp::consumer(&url, &names.ordering_queue, ordering_inbox).await?);
                 let ordering_relay = spawn(
                     relay(ordering.database().store(), "ordering")
                         .transport(ordering_out)

@@ -7,20 +7,32 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_api::{Error, Result};
-use outbox_sqlite::SqliteOutbox;
-use outbox_sqlite::sqlx::SqlitePool;
+#[cfg(feature = "postgres-inbox")]
+use outbox_postgres::{
+    PgOutbox,
+    sqlx::{PgConnection, PgPool},
+};
+#[cfg(feature = "sqlite-inbox")]
+use outbox_sqlite::{
+    SqliteOutbox,
+    sqlx::{SqliteConnection, SqlitePool},
+};
 use tokio::sync::watch;
 
 use super::InboxHandler;
 #[cfg(doc)]
 use super::Received;
 use super::handle::{ConsumerHandle, Counters, Shared, purge_inbox_loop};
+use super::inbox::Inbox;
 use super::order::Held;
-use super::session::Worker;
+use super::session::{Worker, owner_marker};
+use crate::Partitions;
 use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 
-/// Consumes a RabbitMQ queue into a SQLite inbox. Start one with
-/// [`RabbitConsumer::builder`].
+/// Consumes a RabbitMQ queue into an inbox on SQLite
+/// ([`spawn`](RabbitConsumerBuilder::spawn), feature `sqlite-inbox`) or
+/// PostgreSQL ([`spawn_postgres`](RabbitConsumerBuilder::spawn_postgres),
+/// feature `postgres-inbox`). Start one with [`RabbitConsumer::builder`].
 ///
 /// For each delivery, in order (one at a time; up to `prefetch` are
 /// buffered):
@@ -30,12 +42,11 @@ use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 ///    it, if it has one), with a warning.
 /// 2. If an earlier delivery of the same ordering key ([`Received::key`])
 ///    waits for a retry, hold this one behind it (see *Order* below).
-/// 3. Run the inbox transaction,
-///    [`SqliteOutbox::receive_once`](outbox_sqlite::SqliteOutbox::receive_once):
-///    `BEGIN IMMEDIATE`; record `(consumer, message_id)` in the inbox — a
-///    duplicate is acknowledged without running the handler; run the
-///    [`InboxHandler`] (time limit, panics caught); on `Ok`, commit,
-///    **then** acknowledge.
+/// 3. Run the backend's inbox transaction (`SqliteOutbox::receive_once`,
+///    `PgOutbox::receive_once`): begin (`BEGIN IMMEDIATE` on SQLite);
+///    record `(consumer, message_id)` in the inbox — a duplicate is
+///    acknowledged without running the handler; run the [`InboxHandler`]
+///    (time limit, panics caught); on `Ok`, commit, **then** acknowledge.
 /// 4. Handler error, panic or timeout: rolled back; the delivery is tried
 ///    again **in place** after [`retry_delay`](RabbitConsumerBuilder::retry_delay),
 ///    counting the attempt in this process by message id; at
@@ -99,7 +110,29 @@ impl RabbitConsumer {
             handler_timeout: RabbitConsumerBuilder::DEFAULT_HANDLER_TIMEOUT,
             inbox_retention: Some(RabbitConsumerBuilder::DEFAULT_INBOX_RETENTION),
             inbox_purge_interval: RabbitConsumerBuilder::DEFAULT_INBOX_PURGE_INTERVAL,
+            partitions: None,
+            replica: (0, 1),
+            takeover_check: RabbitConsumerBuilder::DEFAULT_TAKEOVER_CHECK,
         }
+    }
+
+    /// A consumer of every partition queue of `partitions` (declared with
+    /// [`Topology::partitioned`](crate::Topology::partitioned)) on the
+    /// broker at `url`; the inbox consumer name defaults to the prefix.
+    ///
+    /// Each partition has a single active consumer, so a key's messages are
+    /// handled by one process at a time, in order. Run one such consumer per
+    /// replica of the service, each with its own
+    /// [`replica`](RabbitConsumerBuilder::replica) index: a replica
+    /// subscribes at once to the partitions it owns (`i % replicas ==
+    /// index`) and stands by for the others — it takes one over when no
+    /// consumer is on it (its owner died or is not running), and hands it
+    /// back as soon as another consumer waits for it (the owner is back).
+    /// Partitions thus spread over the replicas and fail over when one dies.
+    pub fn partitioned(url: impl Into<String>, partitions: Partitions) -> RabbitConsumerBuilder {
+        let mut builder = Self::builder(url, partitions.prefix());
+        builder.partitions = Some(partitions);
+        builder
     }
 }
 
@@ -117,6 +150,9 @@ pub struct RabbitConsumerBuilder {
     pub(super) handler_timeout: Duration,
     pub(super) inbox_retention: Option<Duration>,
     pub(super) inbox_purge_interval: Duration,
+    pub(super) partitions: Option<Partitions>,
+    pub(super) replica: (u16, u16),
+    pub(super) takeover_check: Duration,
 }
 
 impl RabbitConsumerBuilder {
@@ -137,6 +173,9 @@ impl RabbitConsumerBuilder {
     /// at most 30 s.
     pub const DEFAULT_UNAVAILABLE_BACKOFF: (Duration, Duration) =
         (Duration::from_millis(200), Duration::from_secs(30));
+    /// Default [`takeover_check`](Self::takeover_check): 1 s.
+    pub const DEFAULT_TAKEOVER_CHECK: Duration = Duration::from_secs(1);
+
     /// Default [`handler_timeout`](Self::handler_timeout): 30 s.
     pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -210,6 +249,24 @@ impl RabbitConsumerBuilder {
         self
     }
 
+    /// Partitioned consumers ([`RabbitConsumer::partitioned`]): this
+    /// process is replica `index` of `replicas` (0-based; default 0 of 1,
+    /// which owns every partition). It owns the partitions `i` with `i %
+    /// replicas == index` and stands by for the others.
+    pub fn replica(mut self, index: u16, replicas: u16) -> Self {
+        self.replica = (index, replicas);
+        self
+    }
+
+    /// Partitioned consumers: how often a standby partition checks whether
+    /// it has a consumer (to take it over when not), and a taken-over one
+    /// whether another consumer waits (to hand it back) (default 1 s,
+    /// ±20 % jitter). The failover time of a partition whose consumer died.
+    pub fn takeover_check(mut self, every: Duration) -> Self {
+        self.takeover_check = every;
+        self
+    }
+
     /// How long one connection attempt may take (default 10 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.config = self.config.with_connect_timeout(timeout);
@@ -271,6 +328,31 @@ impl RabbitConsumerBuilder {
                 "must be greater than zero (None keeps entries forever)",
             ));
         }
+        let (index, replicas) = self.replica;
+        if replicas == 0 || index >= replicas {
+            return Err(Error::config(
+                "replica",
+                format!("needs index < replicas and replicas >= 1 (got {index} of {replicas})"),
+            ));
+        }
+        if replicas > 1 && self.partitions.is_none() {
+            return Err(Error::config(
+                "replica",
+                "only partitioned consumers (RabbitConsumer::partitioned) have replicas",
+            ));
+        }
+        if let Some(p) = &self.partitions {
+            let longest = owner_marker(&p.queue(p.count().saturating_sub(1)));
+            if longest.len() > MAX_SHORT_STRING {
+                return Err(Error::config(
+                    "partitions",
+                    format!("queue name `{longest}` is over {MAX_SHORT_STRING} bytes"),
+                ));
+            }
+        }
+        if self.takeover_check.is_zero() {
+            return Err(Error::config("takeover_check", "must be greater than zero"));
+        }
         if self.inbox_purge_interval.is_zero() {
             return Err(Error::config(
                 "inbox_purge_interval",
@@ -280,8 +362,9 @@ impl RabbitConsumerBuilder {
         Ok(())
     }
 
-    /// Checks the settings, connects, starts consuming and returns the
-    /// handle of the running consumer (on the current tokio runtime).
+    /// Checks the settings, connects, starts consuming into the **SQLite**
+    /// inbox and returns the handle of the running consumer (on the current
+    /// tokio runtime). Feature `sqlite-inbox`.
     ///
     /// `outbox` gives the inbox table (and is how the handler enqueues
     /// replies); `pool` is the application's sqlx pool on the same database
@@ -289,58 +372,125 @@ impl RabbitConsumerBuilder {
     /// invalid or the credentials are refused (`ErrorKind::Config`), the
     /// queue does not exist (`ErrorKind::NotFound`), or the broker cannot be
     /// reached (`ErrorKind::Unavailable`).
+    #[cfg(feature = "sqlite-inbox")]
     pub async fn spawn(
         self,
         outbox: SqliteOutbox,
         pool: SqlitePool,
-        handler: impl InboxHandler,
+        handler: impl InboxHandler<SqliteConnection>,
     ) -> Result<ConsumerHandle> {
-        self.validate()?;
-        let uri = self.config.parse_url()?;
-        let shared = Arc::new(Shared {
-            queue: self.queue.clone(),
-            consumer_name: self.consumer_name.clone(),
-            connected: AtomicBool::new(false),
-            running: AtomicBool::new(true),
-            counters: Counters::default(),
-            meter: crate::metrics::ConsumerMeter::new(&self.queue, &self.consumer_name),
-        });
-        let (tx, rx) = watch::channel(false);
-        let worker = Worker {
-            settings: self,
-            uri,
+        self.spawn_on(Inbox::Sqlite {
             outbox,
             pool,
             handler: Arc::new(handler),
-            attempts: HashMap::new(),
-            shared: Arc::clone(&shared),
-            held: Held::default(),
-            stop: rx.clone(),
+        })
+        .await
+    }
+
+    /// Checks the settings, connects, starts consuming into the
+    /// **PostgreSQL** inbox and returns the handle of the running consumer
+    /// (on the current tokio runtime). Feature `postgres-inbox`.
+    ///
+    /// `outbox` gives the inbox table (and is how the handler enqueues
+    /// replies, `outbox.enqueue(tx, …)`); `pool` is the application's sqlx
+    /// pool on the same database (one connection per delivery in flight,
+    /// one more while the inbox purge runs). Each delivery runs
+    /// [`PgOutbox::receive_once`]. Fails as [`spawn`](Self::spawn) does.
+    #[cfg(feature = "postgres-inbox")]
+    pub async fn spawn_postgres(
+        self,
+        outbox: PgOutbox,
+        pool: PgPool,
+        handler: impl InboxHandler<PgConnection>,
+    ) -> Result<ConsumerHandle> {
+        self.spawn_on(Inbox::Postgres {
+            outbox,
+            pool,
+            handler: Arc::new(handler),
+        })
+        .await
+    }
+
+    async fn spawn_on(self, inbox: Inbox) -> Result<ConsumerHandle> {
+        self.validate()?;
+        let uri = self.config.parse_url()?;
+        let counters = Arc::new(Counters::default());
+        // (queue, standby) for each queue consumed.
+        let queues: Vec<(String, bool)> = match &self.partitions {
+            None => vec![(self.queue.clone(), false)],
+            Some(p) => {
+                let (index, replicas) = self.replica;
+                (0..p.count())
+                    .map(|i| (p.queue(i), i % replicas != index))
+                    .collect()
+            }
         };
-        let session = worker.open_session().await?;
-        // Connected from here on: callers may check right after `spawn`.
-        shared.connected.store(true, Ordering::SeqCst);
+        let (tx, rx) = watch::channel(false);
+        let mut workers = Vec::new();
+        for (queue, standby) in queues {
+            let shared = Arc::new(Shared {
+                queue: queue.clone(),
+                consumer_name: self.consumer_name.clone(),
+                connected: AtomicBool::new(false),
+                running: AtomicBool::new(true),
+                standby,
+                counters: Arc::clone(&counters),
+                meter: crate::metrics::ConsumerMeter::new(&queue, &self.consumer_name),
+            });
+            let worker = Worker {
+                settings: self.clone(),
+                marker: self.partitions.as_ref().map(|_| owner_marker(&queue)),
+                queue,
+                uri: uri.clone(),
+                inbox: inbox.clone(),
+                attempts: HashMap::new(),
+                shared,
+                held: Held::default(),
+                stop: rx.clone(),
+            };
+            // What this process owns is consumed from the start: a setting
+            // the broker refuses fails here, clearly.
+            let session = if standby {
+                None
+            } else {
+                let session = worker.open_session().await?;
+                // Connected from here on: callers may check right after `spawn`.
+                worker.shared.connected.store(true, Ordering::SeqCst);
+                Some(session)
+            };
+            workers.push((worker, session));
+        }
         tracing::info!(
-            queue = %shared.queue,
-            consumer = %shared.consumer_name,
-            url = %worker.settings.config.redacted_url(),
+            queue = %self.queue,
+            partitions = self.partitions.as_ref().map(|p| p.count()),
+            replica = self.replica.0,
+            replicas = self.replica.1,
+            consumer = %self.consumer_name,
+            inbox = %inbox.table(),
+            url = %self.config.redacted_url(),
             "consuming from RabbitMQ"
         );
-        let purger = worker.settings.inbox_retention.map(|retention| {
+        let purger = self.inbox_retention.map(|retention| {
             tokio::spawn(purge_inbox_loop(
-                worker.outbox.clone(),
-                worker.pool.clone(),
+                inbox.clone(),
                 retention,
-                worker.settings.inbox_purge_interval,
+                self.inbox_purge_interval,
                 rx.clone(),
             ))
         });
-        let task = tokio::spawn(worker.run(session, rx));
+        let shared: Vec<Arc<Shared>> = workers.iter().map(|(w, _)| Arc::clone(&w.shared)).collect();
+        let tasks = workers
+            .into_iter()
+            .map(|(worker, session)| tokio::spawn(worker.run(session, rx.clone())))
+            .collect();
         Ok(ConsumerHandle {
             shutdown: tx,
-            task: Mutex::new(Some(task)),
+            tasks: Mutex::new(tasks),
             purger: Mutex::new(purger),
-            shared,
+            name: self.queue,
+            consumer_name: self.consumer_name,
+            queues: shared,
+            counters,
         })
     }
 }

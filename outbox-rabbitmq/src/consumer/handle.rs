@@ -5,11 +5,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_sqlite::SqliteOutbox;
-use outbox_sqlite::sqlx::SqlitePool;
 use tokio::sync::watch;
 
 use super::RabbitConsumerBuilder;
+use super::inbox::Inbox;
 
 /// What a consumer did since it started.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -41,6 +40,11 @@ pub struct ConsumerStats {
     pub held_back: u64,
     /// Connections opened after the first one.
     pub reconnects: u64,
+    /// Standby partitions this consumer took over because no other
+    /// consumer was on them (see [`RabbitConsumerBuilder::replica`](crate::RabbitConsumerBuilder::replica)).
+    pub takeovers: u64,
+    /// Standby partitions it handed back because another consumer waited.
+    pub handovers: u64,
 }
 
 #[derive(Debug, Default)]
@@ -54,19 +58,26 @@ pub(super) struct Counters {
     pub(super) deferred: AtomicU64,
     pub(super) held_back: AtomicU64,
     pub(super) reconnects: AtomicU64,
+    pub(super) takeovers: AtomicU64,
+    pub(super) handovers: AtomicU64,
 }
 
 pub(super) fn bump(counter: &AtomicU64) {
     counter.fetch_add(1, Ordering::Relaxed);
 }
 
+/// One consumed queue's state (a partitioned consumer has one per
+/// partition), and the counters of the whole consumer.
 #[derive(Debug)]
 pub(super) struct Shared {
     pub(super) queue: String,
     pub(super) consumer_name: String,
+    /// Subscribed to the queue right now.
     pub(super) connected: AtomicBool,
     pub(super) running: AtomicBool,
-    pub(super) counters: Counters,
+    /// Consumes this (partition) queue only while no other consumer does.
+    pub(super) standby: bool,
+    pub(super) counters: Arc<Counters>,
     pub(super) meter: crate::metrics::ConsumerMeter,
 }
 
@@ -75,16 +86,20 @@ pub(super) struct Shared {
 #[derive(Debug)]
 pub struct ConsumerHandle {
     pub(super) shutdown: watch::Sender<bool>,
-    pub(super) task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub(super) tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     pub(super) purger: Mutex<Option<tokio::task::JoinHandle<()>>>,
-    pub(super) shared: Arc<Shared>,
+    /// The queue, or the partitions' prefix.
+    pub(super) name: String,
+    pub(super) consumer_name: String,
+    /// One per consumed queue (one per partition when partitioned).
+    pub(super) queues: Vec<Arc<Shared>>,
+    pub(super) counters: Arc<Counters>,
 }
 
 /// Deletes inbox entries older than `retention` every `interval`, in
 /// batches that rest between them, until shutdown.
 pub(super) async fn purge_inbox_loop(
-    outbox: SqliteOutbox,
-    pool: SqlitePool,
+    inbox: Inbox,
     retention: Duration,
     interval: Duration,
     mut shutdown: watch::Receiver<bool>,
@@ -95,13 +110,13 @@ pub(super) async fn purge_inbox_loop(
         let purged = outbox_api::backend::purge_in_batches(
             RabbitConsumerBuilder::INBOX_PURGE_BATCH,
             || *stop.borrow(),
-            |limit| outbox.purge_inbox(&pool, before, limit),
+            |limit| inbox.purge(before, limit),
         )
         .await;
         match purged {
             Ok(0) => {}
             Ok(n) => {
-                tracing::info!(purged = n, table = %outbox.inbox_table(), "purged inbox entries past retention")
+                tracing::info!(purged = n, table = %inbox.table(), "purged inbox entries past retention")
             }
             Err(e) => tracing::warn!(error = %e, "inbox purge failed; will retry"),
         }
@@ -114,14 +129,14 @@ pub(super) async fn purge_inbox_loop(
 }
 
 impl ConsumerHandle {
-    /// Stops consuming (`basic.cancel`), lets the delivery in flight finish
+    /// Stops consuming: lets the delivery in flight finish
     /// (committed and acknowledged, or rolled back), closes the channel and
     /// the connection — deliveries buffered but not started, or held for a
     /// retry, go back to the queue — and waits until all that is done.
     pub async fn shutdown(&self) {
         self.shutdown.send_replace(true);
-        let task = self.task.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(task) = task {
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|p| p.into_inner()));
+        for task in tasks {
             if let Err(e) = task.await {
                 tracing::error!(error = %e, "consumer task ended abnormally");
             }
@@ -132,32 +147,53 @@ impl ConsumerHandle {
                 tracing::error!(error = %e, "inbox purge task ended abnormally");
             }
         }
-        self.shared.running.store(false, Ordering::SeqCst);
+        for q in &self.queues {
+            q.running.store(false, Ordering::SeqCst);
+            q.connected.store(false, Ordering::SeqCst);
+        }
     }
 
     /// Whether the consumer still runs.
     pub fn is_running(&self) -> bool {
-        self.shared.running.load(Ordering::SeqCst)
+        self.queues.iter().any(|q| q.running.load(Ordering::SeqCst))
     }
 
-    /// Whether it is connected and consuming right now.
+    /// Whether it is connected and consuming right now: its queue, or —
+    /// partitioned — every partition it owns (a standby partition is
+    /// consumed only while no other process consumes it, see
+    /// [`consuming`](Self::consuming)).
     pub fn is_connected(&self) -> bool {
-        self.shared.connected.load(Ordering::SeqCst)
+        self.queues
+            .iter()
+            .filter(|q| !q.standby)
+            .all(|q| q.connected.load(Ordering::SeqCst))
     }
 
-    /// The queue consumed.
+    /// The queues this consumer is subscribed to right now, in partition
+    /// order. A partition's single active consumer decides which subscriber
+    /// gets deliveries; a standby subscription hands its partition back as
+    /// soon as another consumer waits for it.
+    pub fn consuming(&self) -> Vec<String> {
+        self.queues
+            .iter()
+            .filter(|q| q.connected.load(Ordering::SeqCst))
+            .map(|q| q.queue.clone())
+            .collect()
+    }
+
+    /// The queue consumed, or the partitions' prefix.
     pub fn queue(&self) -> &str {
-        &self.shared.queue
+        &self.name
     }
 
     /// The consumer name recorded in the inbox.
     pub fn consumer_name(&self) -> &str {
-        &self.shared.consumer_name
+        &self.consumer_name
     }
 
     /// Counts since start.
     pub fn stats(&self) -> ConsumerStats {
-        let c = &self.shared.counters;
+        let c = &self.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         ConsumerStats {
             handled: get(&c.handled),
@@ -169,6 +205,8 @@ impl ConsumerHandle {
             deferred: get(&c.deferred),
             held_back: get(&c.held_back),
             reconnects: get(&c.reconnects),
+            takeovers: get(&c.takeovers),
+            handovers: get(&c.handovers),
         }
     }
 }

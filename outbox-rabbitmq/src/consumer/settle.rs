@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicRejectOptions};
+use outbox_api::InboxOutcome;
 use outbox_api::MessageId;
-use outbox_sqlite::InboxOutcome;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -260,14 +260,11 @@ impl Worker {
 
     /// The inbox transaction around the handler.
     async fn handle(&self, received: &Received) -> InboxOutcome {
-        let handler = &self.handler;
-        self.outbox
+        self.inbox
             .receive_once(
-                &self.pool,
                 &self.shared.consumer_name,
-                received.id,
+                received,
                 self.settings.handler_timeout,
-                async |tx| handler.handle(received, tx).await,
             )
             .await
     }

@@ -2,6 +2,7 @@
 //! settling it outside, and — when the broker closes the channel — finding
 //! the message that caused it.
 
+use crate::Partitions;
 use lapin::options::BasicPublishOptions;
 use lapin::protocol::AMQPError;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -426,6 +427,13 @@ impl Inner {
                     .clone()
                     .unwrap_or_else(|| m.message_type.clone()),
             ),
+        };
+        let routing_key = match config.partitioned.get(&exchange) {
+            Some(count) => {
+                let partition = Partitions::of_message(m.key.as_deref(), m.id, *count);
+                Partitions::routing_key(&routing_key, partition)
+            }
+            None => routing_key,
         };
         check_short("exchange name", &exchange)?;
         check_short("routing key", &routing_key)?;
