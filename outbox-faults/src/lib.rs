@@ -22,6 +22,7 @@ mod child;
 mod counting;
 pub mod postgres;
 mod receiver;
+mod tally;
 
 pub use args::{ChildArgs, PG_URL_VARIABLE};
 pub use child::RelayChild;

@@ -4,8 +4,7 @@
 
 use std::collections::HashSet;
 use std::process::Command;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -17,6 +16,7 @@ use outbox_postgres::sqlx::{self, AssertSqlSafe, Row};
 use outbox_postgres::{PgOutbox, PgStore, WakeUp, error_kind};
 
 use crate::check::{self, Counts, EffectRow, Expected, Report};
+use crate::tally::Tally;
 use crate::{RECEIVER_INBOX_TABLE, RECEIVER_OUTBOX_TABLE};
 
 /// The outbox table's name in the test's schema.
@@ -118,9 +118,7 @@ struct Shared {
     insert_effect: String,
     bump_duplicates: String,
     insert_call: String,
-    handled: AtomicU64,
-    duplicates: AtomicU64,
-    errors: Mutex<Vec<String>>,
+    tally: Tally,
 }
 
 impl std::fmt::Debug for PgReceiver {
@@ -169,31 +167,30 @@ impl PgReceiver {
                     r#"INSERT INTO "{schema}".calls (message_id, worker, duplicate, at_ms)
                        VALUES ($1, $2, $3, $4)"#
                 ),
-                handled: AtomicU64::new(0),
-                duplicates: AtomicU64::new(0),
-                errors: Mutex::new(Vec::new()),
+                tally: Tally::default(),
             }),
         })
     }
 
     /// Messages handled for the first time by this receiver.
     pub fn handled(&self) -> u64 {
-        self.shared.handled.load(Ordering::Relaxed)
+        self.shared.tally.handled()
+    }
+
+    /// Handled, duplicates and failures, for the child's last line.
+    pub fn figures(&self) -> (u64, u64, usize) {
+        (self.handled(), self.duplicates(), self.errors().len())
     }
 
     /// Duplicates this receiver's inbox turned away.
     pub fn duplicates(&self) -> u64 {
-        self.shared.duplicates.load(Ordering::Relaxed)
+        self.shared.tally.duplicates()
     }
 
     /// Every handler failure so far other than the database being out of
     /// reach, naming the statement.
     pub fn errors(&self) -> Vec<String> {
-        self.shared
-            .errors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.shared.tally.errors()
     }
 }
 
@@ -265,36 +262,20 @@ impl Dispatcher for PgReceiver {
         if !self.shared.delay.is_zero() {
             tokio::time::sleep(self.shared.delay).await;
         }
-        match self.shared.record(message).await {
-            Ok(true) => {
-                self.shared.handled.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Ok(false) => {
-                self.shared.duplicates.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
+        let outcome = match self.shared.record(message).await {
             Err(Failed::Unavailable(e)) => {
                 eprintln!(
                     "HANDLER_UNAVAILABLE worker={} message={}: {e}",
                     self.shared.worker, message.id
                 );
-                Err(Box::new(TemporarilyUnavailable::new(e)))
+                return Err(Box::new(TemporarilyUnavailable::new(e)));
             }
-            Err(Failed::Other(e)) => {
-                let text = format!(
-                    "HANDLER_ERROR worker={} message={}: {e}",
-                    self.shared.worker, message.id
-                );
-                eprintln!("{text}");
-                self.shared
-                    .errors
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(text);
-                Err(e.into())
-            }
-        }
+            Err(Failed::Other(e)) => Err(e),
+            Ok(new) => Ok(new),
+        };
+        self.shared
+            .tally
+            .count(&self.shared.worker, message.id, outcome)
     }
 }
 
@@ -618,7 +599,7 @@ pub async fn restart(mut command: Command, pool: &PgPool) -> Result<Duration, St
 
 /// What a relay logs because its database was out of reach — each is
 /// expected while connections are ended and the server restarts.
-const OUTAGE_LINES: &[&str] = &[
+pub const OUTAGE_LINES: &[&str] = &[
     // The store's errors of kind Unavailable (CountingStore).
     "[Unavailable]",
     // The relay on a store call that failed so: retried, or left to the lease.

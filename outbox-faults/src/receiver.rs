@@ -2,7 +2,6 @@
 //! receiver database, deduplicated by the inbox, in one transaction.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -10,6 +9,8 @@ use async_trait::async_trait;
 use outbox_api::{Dispatcher, HandlerError, Message, Timestamp};
 use outbox_sqlite::rusqlite::{self, Connection, TransactionBehavior, params};
 use outbox_sqlite::{SqliteOutbox, SqliteStore};
+
+use crate::tally::Tally;
 
 /// The message type the tests enqueue and the [`Receiver`] handles.
 pub const MESSAGE_TYPE: &str = "FaultTest";
@@ -86,9 +87,7 @@ struct Shared {
     consumer: String,
     worker: String,
     delay: Duration,
-    handled: AtomicU64,
-    duplicates: AtomicU64,
-    errors: Mutex<Vec<String>>,
+    tally: Tally,
 }
 
 impl std::fmt::Debug for Receiver {
@@ -129,26 +128,29 @@ impl Receiver {
                 consumer: consumer.to_owned(),
                 worker: worker.to_owned(),
                 delay,
-                handled: AtomicU64::new(0),
-                duplicates: AtomicU64::new(0),
-                errors: Mutex::new(Vec::new()),
+                tally: Tally::default(),
             }),
         })
     }
 
     /// Messages handled for the first time by this receiver.
     pub fn handled(&self) -> u64 {
-        self.shared.handled.load(Ordering::Relaxed)
+        self.shared.tally.handled()
+    }
+
+    /// Handled, duplicates and failures, for the child's last line.
+    pub fn figures(&self) -> (u64, u64, usize) {
+        (self.handled(), self.duplicates(), self.errors().len())
     }
 
     /// Duplicates this receiver's inbox turned away.
     pub fn duplicates(&self) -> u64 {
-        self.shared.duplicates.load(Ordering::Relaxed)
+        self.shared.tally.duplicates()
     }
 
     /// Every handler failure so far, naming the statement.
     pub fn errors(&self) -> Vec<String> {
-        lock(&self.shared.errors).clone()
+        self.shared.tally.errors()
     }
 }
 
@@ -213,24 +215,8 @@ impl Dispatcher for Receiver {
         let result = tokio::task::spawn_blocking(move || shared.record(&m))
             .await
             .unwrap_or_else(|e| Err(format!("receiver task failed: {e}")));
-        match result {
-            Ok(true) => {
-                self.shared.handled.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Ok(false) => {
-                self.shared.duplicates.fetch_add(1, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => {
-                let text = format!(
-                    "HANDLER_ERROR worker={} message={}: {e}",
-                    self.shared.worker, message.id
-                );
-                eprintln!("{text}");
-                lock(&self.shared.errors).push(text);
-                Err(e.into())
-            }
-        }
+        self.shared
+            .tally
+            .count(&self.shared.worker, message.id, result)
     }
 }

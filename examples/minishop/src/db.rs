@@ -5,7 +5,7 @@
 //!
 //! The modules' logic is written once for both: business SQL uses `$1`
 //! parameters and statements both dialects accept, and runs through
-//! [`with_conn!`] / [`with_pool!`], which hand the same statement to the
+//! `with_conn!` / `with_pool!`, which hand the same statement to the
 //! SQLite or the PostgreSQL connection. What differs by dialect — the
 //! module's `CREATE TABLE`s ([`Ddl`]), how a transaction begins
 //! (`BEGIN IMMEDIATE` on SQLite), the inbox transaction
@@ -278,7 +278,7 @@ impl Tx<'_> {
 }
 
 /// A connection inside a module's transaction, with the module's outbox:
-/// statements run on it ([`with_conn!`]) and messages enqueued with
+/// statements run on it (`with_conn!`) and messages enqueued with
 /// [`enqueue`](Conn::enqueue) commit together.
 pub enum Conn<'a> {
     /// SQLite.
@@ -326,7 +326,7 @@ macro_rules! with_conn {
     };
 }
 
-/// `with_pool!(db.pool(), |p| body)`: as [`with_conn!`], with `p` the
+/// `with_pool!(db.pool(), |p| body)`: as `with_conn!`, with `p` the
 /// `&SqlitePool` or `&PgPool`.
 #[macro_export]
 macro_rules! with_pool {

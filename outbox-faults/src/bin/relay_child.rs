@@ -88,10 +88,7 @@ async fn run_sqlite(args: ChildArgs) -> Result<(), String> {
     )
     .await?;
     let report = receiver.clone();
-    relay(&args, store, receiver, move || {
-        (report.handled(), report.duplicates(), report.errors().len())
-    })
-    .await
+    relay(&args, store, receiver, move || report.figures()).await
 }
 
 /// On PostgreSQL the database may be restarting while this process starts:
@@ -138,10 +135,7 @@ async fn run_postgres(args: ChildArgs, schema: &str) -> Result<(), String> {
     )
     .await?;
     let report = receiver.clone();
-    relay(&args, store, receiver, move || {
-        (report.handled(), report.duplicates(), report.errors().len())
-    })
-    .await
+    relay(&args, store, receiver, move || report.figures()).await
 }
 
 /// Runs the relay on `store` with `dispatcher` until stdin closes (the
