@@ -106,7 +106,7 @@ impl Checkpointer {
 
 /// Runs a checkpoint each time it is woken, until the store is dropped.
 fn checkpoint_thread(path: &Path, busy: Duration, pages: u32, wake: &Receiver<()>) {
-    let conn = match crate::store::open_connection(path, busy, false) {
+    let conn = match crate::builder::open_connection(path, busy, false) {
         Ok(conn) => conn,
         Err(e) => {
             tracing::warn!(error = %e, "the WAL checkpoint thread cannot open its connection; \

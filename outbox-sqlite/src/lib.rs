@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod builder;
 mod checkpoint;
 mod error;
 mod inbox;
@@ -15,6 +16,7 @@ mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use builder::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStoreBuilder};
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};
@@ -22,7 +24,7 @@ pub use outbox::{SqliteOutbox, SqlxEnqueue};
 /// shared with the other backends).
 pub use outbox_api::InboxOutcome;
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE};
-pub use store::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStore, SqliteStoreBuilder};
+pub use store::SqliteStore;
 
 /// The sqlx and rusqlite versions this crate links against, re-exported so
 /// that applications use the same ones.

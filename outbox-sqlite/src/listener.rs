@@ -123,7 +123,7 @@ impl SqliteListener {
     ) -> Self {
         let definite = signals.definite.listener();
         let hint = signals.hint.listener();
-        let watch = match crate::store::open_connection(path, busy, false) {
+        let watch = match crate::builder::open_connection(path, busy, false) {
             Ok(conn) => {
                 let mut p = ChangeWatch {
                     conn,

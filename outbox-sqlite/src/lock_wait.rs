@@ -22,7 +22,7 @@ const MAX_PAUSE: Duration = Duration::from_millis(1);
 
 thread_local! {
     /// How long a statement on this thread may wait for a lock.
-    static TIMEOUT: Cell<Duration> = const { Cell::new(crate::store::DEFAULT_BUSY_TIMEOUT) };
+    static TIMEOUT: Cell<Duration> = const { Cell::new(crate::builder::DEFAULT_BUSY_TIMEOUT) };
     /// When the current statement first found the database locked.
     static SINCE: Cell<Option<Instant>> = const { Cell::new(None) };
 }

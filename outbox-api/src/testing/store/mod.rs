@@ -11,6 +11,12 @@ use crate::{
     MessageState, NewMessage, OperatorStore, Release, Timestamp,
 };
 
+mod operator;
+
+pub use operator::{
+    operator_list_get_retry_discard, purge_removes_old_processed_in_batches, stats_count_states,
+};
+
 /// A fresh, empty store plus the backend-specific way to enqueue into it.
 #[async_trait]
 pub trait StoreUnderTest: Send + Sync {
@@ -440,143 +446,6 @@ pub async fn claim_filters_by_kind(s: &dyn StoreUnderTest) {
     );
     r.kind = Some(MessageKind::Integration);
     assert_eq!(ids(&s.store().claim(&r).await.unwrap()), [k[0], k[2]]);
-}
-
-/// Stats count each state and report the oldest pending message.
-pub async fn stats_count_states(s: &dyn StoreUnderTest) {
-    let empty = s.store().stats().await.unwrap();
-    assert_eq!(
-        (
-            empty.pending,
-            empty.poisoned,
-            empty.processed,
-            empty.oldest_pending_created_at
-        ),
-        (0, 0, 0, None)
-    );
-    let k = s.enqueue(vec![domain(1), domain(2), domain(3)]).await;
-    let now = t0().add(Duration::from_secs(1));
-    s.store().claim(&req("w", 2, now)).await.unwrap();
-    s.store().complete(&k[..1], now).await.unwrap();
-    s.store().fail(&failure("w", k[1], now, 1)).await.unwrap();
-    let st = s.store().stats().await.unwrap();
-    assert_eq!((st.pending, st.poisoned, st.processed), (1, 1, 1));
-    assert_eq!(
-        st.oldest_pending_created_at,
-        Some(get(s, k[2]).await.created_at)
-    );
-    assert_eq!(
-        s.store().backlog().await.unwrap(),
-        crate::Backlog::from(st),
-        "the backlog agrees with the stats"
-    );
-    assert_eq!(
-        crate::Backlog::from(empty),
-        crate::Backlog::default(),
-        "an empty table has no backlog"
-    );
-}
-
-/// Purge deletes processed messages older than the cut-off, at most `limit` a call.
-pub async fn purge_removes_old_processed_in_batches(s: &dyn StoreUnderTest) {
-    let k = s.enqueue((0..5).map(domain).collect()).await;
-    let now = t0().add(Duration::from_secs(1));
-    s.store().claim(&req("w", 4, now)).await.unwrap();
-    s.store().complete(&k[..3], now).await.unwrap();
-    s.store().fail(&failure("w", k[3], now, 1)).await.unwrap();
-    assert_eq!(
-        s.store().purge_processed(now, 10).await.unwrap(),
-        0,
-        "not older than the cut-off"
-    );
-    let cut = now.add(Duration::from_millis(1));
-    assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 2);
-    assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 1);
-    assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 0);
-    let st = s.store().stats().await.unwrap();
-    assert_eq!(
-        (st.pending, st.poisoned, st.processed),
-        (1, 1, 0),
-        "pending and poison are never purged"
-    );
-}
-
-/// Operators list, inspect, retry and discard.
-pub async fn operator_list_get_retry_discard(s: &dyn StoreUnderTest) {
-    let other = NewMessage::new(MessageKind::Domain, "Other", b"o".to_vec());
-    let k = s.enqueue(vec![domain(1), domain(2), other]).await;
-    let now = t0().add(Duration::from_secs(1));
-    s.store().claim(&req("w", 1, now)).await.unwrap();
-    s.store().fail(&failure("w", k[0], now, 1)).await.unwrap();
-    let store = s.store();
-    let poisoned = store
-        .list(&ListQuery {
-            state: Some(MessageState::Poisoned),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(ids(&poisoned), [k[0]]);
-    let of_type = store
-        .list(&ListQuery {
-            message_type: Some("Other".into()),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(ids(&of_type), [k[2]]);
-    let limited = store
-        .list(&ListQuery {
-            limit: 2,
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-    assert_eq!(ids(&limited), k[..2]);
-    let second_page = store
-        .list(&ListQuery::new().offset(1).limit(1))
-        .await
-        .unwrap();
-    assert_eq!(ids(&second_page), [k[1]], "offset skips the oldest");
-    let past_the_end = store.list(&ListQuery::new().offset(3)).await.unwrap();
-    assert!(
-        past_the_end.is_empty(),
-        "an offset past the end lists nothing"
-    );
-    assert!(store.get(MessageId::new()).await.unwrap().is_none());
-
-    let err = store.retry(k[1], "ops", now).await.unwrap_err();
-    assert_eq!(
-        err.kind(),
-        ErrorKind::Conflict,
-        "only poisoned messages are retried: {err}"
-    );
-    assert_eq!(
-        store
-            .retry(MessageId::new(), "ops", now)
-            .await
-            .unwrap_err()
-            .kind(),
-        ErrorKind::NotFound
-    );
-    store.retry(k[0], "ops", now).await.unwrap();
-    let m = get(s, k[0]).await;
-    assert_eq!((m.state, m.attempts), (MessageState::Pending, 0));
-    let note = m.last_error.unwrap();
-    assert!(
-        note.contains("retried by ops") && note.contains("handler said no"),
-        "{note}"
-    );
-    assert_eq!(ids(&store.claim(&req("w", 1, now)).await.unwrap()), [k[0]]);
-
-    store.discard(k[1], "ops", now).await.unwrap();
-    let m = get(s, k[1]).await;
-    assert_eq!(m.state, MessageState::Processed);
-    assert!(m.last_error.unwrap().contains("discarded by ops"));
-    assert_eq!(
-        store.discard(k[1], "ops", now).await.unwrap_err().kind(),
-        ErrorKind::Conflict
-    );
 }
 
 /// A commit wakes a listener at once (not after a poll interval).
