@@ -271,13 +271,24 @@ fn forget_old(inner: &Inner) {
 
 /// `pg_notify` on its own connection, in its own transaction: the
 /// database-wide lock NOTIFY takes at commit is held for this tiny
-/// statement only, at most once per debounce interval.
+/// statement only, at most once per debounce interval. The transaction
+/// commits without waiting for its WAL to reach the disk
+/// (`synchronous_commit = off`): a notification lost in a crash costs only
+/// a poll interval, and a flush per NOTIFY would take from the writers'.
 async fn send_notify(inner: &Inner) {
-    if let Err(e) = sqlx::query(AssertSqlSafe(inner.sql.notify.as_str()))
-        .bind(&inner.channel)
-        .execute(&inner.pool)
-        .await
-    {
+    let result = async {
+        let mut tx = inner
+            .pool
+            .begin_with("BEGIN; SET LOCAL synchronous_commit = off")
+            .await?;
+        sqlx::query(AssertSqlSafe(inner.sql.notify.as_str()))
+            .bind(&inner.channel)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await
+    }
+    .await;
+    if let Err(e) = result {
         tracing::debug!(error = %e, channel = %inner.channel,
             "could not notify other processes; their relays will poll");
     }

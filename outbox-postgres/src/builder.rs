@@ -10,9 +10,11 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::error::{connecting, password_of};
+use crate::floor::DEFAULT_FLOOR_STEP;
 use crate::listener::WakeUp;
 use crate::schema::{self, Names};
 use crate::store::PgStore;
+use crate::store::Tuning;
 
 /// How many connections a store opens at most (relays, operators and the
 /// commit watcher share them).
@@ -44,6 +46,7 @@ pub struct PgStoreBuilder {
     poll: Duration,
     notify_debounce: Duration,
     announce_commits: bool,
+    floor_step: Duration,
 }
 
 impl std::fmt::Debug for PgStoreBuilder {
@@ -133,7 +136,7 @@ impl PgStoreBuilder {
     }
 
     /// The shortest time between two `NOTIFY`s of this table from this
-    /// process (default 50 ms). A commit inside the interval is announced
+    /// process (default [`DEFAULT_NOTIFY_DEBOUNCE`], 5 ms). A commit inside the interval is announced
     /// at its end, never dropped.
     pub fn notify_debounce(mut self, interval: Duration) -> Self {
         self.notify_debounce = interval;
@@ -151,6 +154,17 @@ impl PgStoreBuilder {
     /// wake-up on vs off*).
     pub fn announce_commits(mut self, announce: bool) -> Self {
         self.announce_commits = announce;
+        self
+    }
+
+    /// The least time between two steps of the claim's floor (default
+    /// [`DEFAULT_FLOOR_STEP`], 25 ms): how soon after messages complete
+    /// claims stop stepping over their index entries while a long
+    /// transaction keeps vacuum from removing them (see the crate docs).
+    /// Each step takes one transaction id. Zero steps after every claim
+    /// (for tests that want the floor to move as often as it can).
+    pub fn claim_floor_step(mut self, step: Duration) -> Self {
+        self.floor_step = step;
         self
     }
 
@@ -203,10 +217,12 @@ impl PgStoreBuilder {
             display,
             names,
             self.clock,
-            self.wake_up,
-            self.poll,
-            // The debounce of the announcement, if commits are announced.
-            self.announce_commits.then_some(self.notify_debounce),
+            Tuning {
+                wake_up: self.wake_up,
+                poll: self.poll,
+                announce: self.announce_commits.then_some(self.notify_debounce),
+                floor_step: self.floor_step,
+            },
         ))
     }
 }
@@ -243,6 +259,7 @@ impl PgStore {
             poll: DEFAULT_POLL,
             notify_debounce: DEFAULT_NOTIFY_DEBOUNCE,
             announce_commits: true,
+            floor_step: DEFAULT_FLOOR_STEP,
         }
     }
 }

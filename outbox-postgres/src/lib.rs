@@ -5,6 +5,7 @@
 mod announce;
 mod builder;
 mod error;
+mod floor;
 mod inbox;
 mod listener;
 mod migrate;
@@ -23,6 +24,7 @@ pub use builder::{
     PgStoreBuilder,
 };
 pub use error::error_kind;
+pub use floor::DEFAULT_FLOOR_STEP;
 pub use listener::{PgWorkListener, WakeUp};
 pub use outbox::{PgEnqueue, PgOutbox};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};

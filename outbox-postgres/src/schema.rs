@@ -197,6 +197,14 @@ const OUTBOX_MIGRATIONS: &[&str] = &[
     CREATE INDEX IF NOT EXISTS "{t}_poisoned_idx" ON "{s}"."{t}" (seq) WHERE state = 'poisoned';
     CREATE INDEX IF NOT EXISTS "{t}_key_idx" ON "{s}"."{t}" (key, seq) WHERE key IS NOT NULL AND state <> 'processed';
     CREATE INDEX IF NOT EXISTS "{t}_processed_idx" ON "{s}"."{t}" (processed_at) WHERE state = 'processed';"#,
+    // 2: what the claim's floor needs (src/floor.rs). The `_retries`
+    // sequence is advanced by every operator retry, which makes a message
+    // pending again below the floor; claims compare it with the generation
+    // their floor was set under. The poisoned messages of each key get an
+    // index of their own, so that the claim's test "an earlier message of
+    // this key is poisoned" never walks the entries of completed ones.
+    r#"CREATE SEQUENCE IF NOT EXISTS "{s}"."{t}_retries" AS bigint CACHE 1;
+    CREATE INDEX IF NOT EXISTS "{t}_poisoned_keys" ON "{s}"."{t}" (key, seq) WHERE key IS NOT NULL AND state = 'poisoned';"#,
 ];
 
 /// Migrations of the inbox table, in order.
@@ -269,6 +277,12 @@ pub(crate) struct Sql {
     pub retry: String,
     pub discard: String,
     pub notify: String,
+    /// The floor's candidate (src/floor.rs): retry generation, last `seq`
+    /// drawn, a fresh transaction id, the `seq` sequence's cache size.
+    pub floor_candidate: String,
+    /// The floor's check (`$1` the candidate's transaction id, `$2` the
+    /// lowest `seq` to look from): ready, and the lowest pending `seq`.
+    pub floor_check: String,
 }
 
 /// The values an insert binds, in this order: `$1` id, `$2` kind, `$3`
@@ -286,6 +300,8 @@ impl Sql {
         let claim_lock = names.claim_lock();
         let seed = names.key_lock_seed();
         let values = "$1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12";
+        let (retries, seqs) = sequences(&names);
+        let retries_generation = RETRIES_GENERATION;
         Sql {
             claim_lock,
             // A claim waits at most 10 s for the lock (then fails, and the
@@ -306,25 +322,31 @@ impl Sql {
                  SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; \
                  SELECT pg_advisory_xact_lock({claim_lock})"
             ),
+            // Every insert takes its transaction's id before it draws a
+            // `seq` (the materialized `first` is evaluated before the row is
+            // made): the claim's floor relies on it (src/floor.rs).
             insert: format!(
-                "INSERT INTO {t} ({INSERT_COLUMNS}) VALUES ({values}) \
+                "WITH first AS MATERIALIZED (SELECT pg_current_xact_id() AS xid) \
+                 INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} FROM first \
                  RETURNING pg_current_xact_id()::text"
             ),
-            // The key's lock is taken in the FROM subquery, before the row
-            // (and its `seq`) is made: a later enqueue of the key waits for
-            // this transaction to end, then draws a higher `seq`.
+            // The key's lock is taken in `first` too, before the row (and
+            // its `seq`) is made: a later enqueue of the key waits for this
+            // transaction to end, then draws a higher `seq`.
             insert_keyed: format!(
-                "INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} \
-                 FROM (SELECT pg_advisory_xact_lock(hashtextextended($4, {seed}))) AS key_lock \
+                "WITH first AS MATERIALIZED (SELECT pg_current_xact_id() AS xid, \
+                   pg_advisory_xact_lock(hashtextextended($4, {seed})) AS key_lock) \
+                 INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} FROM first \
                  RETURNING pg_current_xact_id()::text"
             ),
-            // Every key's lock first, in byte order of the keys (the order
-            // the crate docs ask of transactions that enqueue several keys
-            // one by one, so that they never deadlock with a batch), then
-            // the rows in the order given.
+            // The transaction's id and every key's lock first, the locks
+            // in byte order of the keys (the order the crate docs ask of
+            // transactions that enqueue several keys one by one, so that
+            // they never deadlock with a batch), then the rows in the order
+            // given.
             insert_many: format!(
                 "WITH key_locks AS MATERIALIZED (
-                   SELECT count(*) AS n FROM (
+                   SELECT count(*) AS n, pg_current_xact_id() AS xid FROM (
                      SELECT pg_advisory_xact_lock(hashtextextended(k, {seed})) FROM (
                        SELECT DISTINCT k COLLATE \"C\" AS k
                        FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS keys
@@ -396,15 +418,32 @@ impl Sql {
             ),
             get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
             state_of: format!("SELECT state, last_error FROM {t} WHERE id = $1 FOR UPDATE"),
+            // A retried message is pending again, maybe below the claim's
+            // floor: the `_retries` sequence moves on (after the row is
+            // locked, so with this transaction's id taken), and claims stop
+            // trusting floors set before (src/floor.rs).
             retry: format!(
                 "UPDATE {t} SET state = 'pending', attempts = 0, available_at = $1, last_error = $2,
-                   locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = $3"
+                   locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = $3
+                 RETURNING nextval('{retries}')"
             ),
             discard: format!(
                 "UPDATE {t} SET state = 'processed', processed_at = $1, last_error = $2,
                    locked_by = NULL, locked_until = NULL WHERE id = $3"
             ),
             notify: "SELECT pg_notify($1, '')".to_owned(),
+            floor_candidate: format!(
+                "SELECT {retries_generation},
+                        CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END,
+                        pg_current_xact_id()::text,
+                        (SELECT seqcache FROM pg_sequence WHERE seqrelid = '{seqs}'::regclass)
+                 FROM {retries} AS r, {seqs} AS s"
+            ),
+            floor_check: format!(
+                "SELECT pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8,
+                   CASE WHEN pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8 THEN
+                     (SELECT min(seq) FROM {t} WHERE state = 'pending' AND seq >= $2) END"
+            ),
             names,
         }
     }
@@ -415,10 +454,30 @@ impl Sql {
     }
 }
 
+/// The generation of the `_retries` sequence `r`: how many times it was
+/// advanced.
+const RETRIES_GENERATION: &str =
+    "CASE WHEN r.is_called THEN r.last_value ELSE r.last_value - 1 END";
+
+/// The retry-generation sequence and the `seq` column's sequence, quoted.
+fn sequences(names: &Names) -> (String, String) {
+    let (s, t) = (&names.schema, &names.outbox);
+    (
+        format!(r#""{s}"."{t}_retries""#),
+        format!(r#""{s}"."{t}_seq_seq""#),
+    )
+}
+
 /// The claim statement (`$1` worker, `$2` locked_until, `$3` now, `$4` kind
-/// or NULL, `$5` limit). It runs in a transaction that holds the table's
-/// claim lock (taken by an earlier statement, so that this statement's
-/// snapshot sees every claim before it).
+/// or NULL, `$5` limit, `$6` the floor's `seq`, `$7` the retry generation
+/// it holds under). It runs in a transaction that holds the table's claim
+/// lock (taken by an earlier statement, so that this statement's snapshot
+/// sees every claim before it).
+///
+/// It walks the pending index from the floor (src/floor.rs) — from the
+/// start when the retry generation moved since the floor was set — so a
+/// long transaction that keeps vacuum from removing completed messages'
+/// index entries does not make every claim step over all of them.
 ///
 /// A message is claimable when it is pending, available, its lease is free
 /// or expired, its kind matches, and no other message of its key stands in
@@ -438,21 +497,29 @@ impl Sql {
 /// completion is writing; the outer `WHERE` repeats the lease condition.
 pub(crate) fn claim_sql(names: &Names) -> String {
     let t = format!(r#""{}"."{}""#, names.schema, names.outbox);
+    let (retries, _) = sequences(names);
     format!(
-        "WITH picked AS (
+        "WITH floor AS MATERIALIZED (
+           SELECT CASE WHEN {RETRIES_GENERATION} = $7 THEN $6::int8 ELSE 0 END AS seq
+           FROM {retries} AS r),
+         picked AS (
            SELECT m.seq FROM {t} AS m
            WHERE m.state = 'pending'
+             AND m.seq >= (SELECT seq FROM floor)
              AND m.available_at <= $3
              AND (m.locked_until IS NULL OR m.locked_until <= $3)
              AND ($4::text IS NULL OR m.kind = $4)
              AND (m.key IS NULL OR (
                NOT EXISTS (
                  SELECT 1 FROM {t} AS b
-                 WHERE b.key = m.key AND b.seq < m.seq AND b.state <> 'processed'
-                   AND (b.state <> 'pending'
-                        OR b.available_at > $3
+                 WHERE b.key = m.key AND b.seq < m.seq AND b.seq >= (SELECT seq FROM floor)
+                   AND b.state <> 'processed' AND b.state = 'pending'
+                   AND (b.available_at > $3
                         OR b.locked_until > $3
                         OR ($4::text IS NOT NULL AND b.kind <> $4)))
+               AND NOT EXISTS (
+                 SELECT 1 FROM {t} AS p
+                 WHERE p.key = m.key AND p.seq < m.seq AND p.state = 'poisoned')
                AND NOT COALESCE((
                  SELECT a.locked_until > $3 FROM {t} AS a
                  WHERE a.key = m.key AND a.seq > m.seq AND a.state <> 'processed'

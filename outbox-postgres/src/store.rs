@@ -13,6 +13,7 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
 
 use crate::announce::{Announcer, shared_wakeup};
 use crate::error::{from_sqlx, storable};
+use crate::floor::ClaimFloor;
 use crate::listener::{PgWorkListener, WakeUp};
 use crate::outbox::PgOutbox;
 use crate::row::decode;
@@ -42,6 +43,20 @@ pub(crate) struct Inner {
     pub(crate) announcer: Announcer,
     wake_up: WakeUp,
     poll: Duration,
+    floor: ClaimFloor,
+}
+
+/// How a [`PgStore`] wakes relays and tends its claim floor (from its
+/// builder).
+pub(crate) struct Tuning {
+    pub wake_up: WakeUp,
+    /// How often a listener that cannot `LISTEN` reports a change.
+    pub poll: Duration,
+    /// The `NOTIFY` debounce when enqueues announce their commits, `None`
+    /// when not.
+    pub announce: Option<Duration>,
+    /// The least time between two steps of the claim floor.
+    pub floor_step: Duration,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -56,17 +71,20 @@ impl std::fmt::Debug for PgStore {
 
 impl PgStore {
     /// The store over `pool` (described as `display`, never with a
-    /// password) for the tables `names`; `announce` is the `NOTIFY`
-    /// debounce when enqueues announce their commits, `None` when not.
+    /// password) for the tables `names`, tuned by `tuning`.
     pub(crate) fn assemble(
         pool: PgPool,
         display: String,
         names: Names,
         clock: Arc<dyn Clock>,
-        wake_up: WakeUp,
-        poll: Duration,
-        announce: Option<Duration>,
+        tuning: Tuning,
     ) -> PgStore {
+        let Tuning {
+            wake_up,
+            poll,
+            announce,
+            floor_step,
+        } = tuning;
         let options = pool.connect_options();
         let identity = format!(
             "{}:{}/{}/{}.{}",
@@ -94,6 +112,7 @@ impl PgStore {
                 announcer,
                 wake_up,
                 poll,
+                floor: ClaimFloor::new(floor_step),
             }),
         }
     }
@@ -130,11 +149,22 @@ impl PgStore {
     }
 
     /// The exact claim statement this store runs (parameters: `$1` worker,
-    /// `$2` locked_until, `$3` now, `$4` kind or NULL, `$5` limit), for
-    /// inspection (`EXPLAIN`) and same-SQL baselines. It runs after
+    /// `$2` locked_until, `$3` now, `$4` kind or NULL, `$5` limit, `$6` and
+    /// `$7` the [`claim_floor`](Self::claim_floor)), for inspection
+    /// (`EXPLAIN`) and same-SQL baselines. It runs after
     /// [`claim_lock`](Self::claim_lock) was taken in the same transaction.
     pub fn claim_statement(&self) -> &str {
         &self.inner.claim
+    }
+
+    /// The claim's floor as the claim statement binds it now: the `seq`
+    /// its walk of the pending index starts at, and the retry generation
+    /// under which that holds (`(0, -1)` before the floor was first set).
+    /// It rises as messages complete and the transactions that could still
+    /// commit below it end; see the crate docs ("a long transaction").
+    pub fn claim_floor(&self) -> (i64, i64) {
+        let floor = self.inner.floor.current();
+        (floor.seq, floor.generation)
     }
 
     /// The plan PostgreSQL chooses now for the claim statement (at most
@@ -146,6 +176,7 @@ impl PgStore {
         let what = "explaining the claim";
         let mut tx = self.begin_locked(what).await?;
         let now = outbox_api::Timestamp::now();
+        let floor = self.inner.floor.current();
         let result =
             sqlx::query_scalar::<_, String>(AssertSqlSafe(format!("EXPLAIN {}", self.inner.claim)))
                 .bind("explain")
@@ -153,6 +184,8 @@ impl PgStore {
                 .bind(now.as_millis())
                 .bind(None::<&str>)
                 .bind(to_i64(limit))
+                .bind(floor.seq)
+                .bind(floor.generation)
                 .fetch_all(&mut *tx)
                 .await;
         if let Err(e) = tx.rollback().await {
@@ -261,12 +294,15 @@ impl PgStore {
         let now = r.now.as_millis();
         let until = r.now.add(r.lease).as_millis();
         let kind = r.kind.map(|k| k.as_str());
+        let floor = self.inner.floor.current();
         let rows = sqlx::query(AssertSqlSafe(self.inner.claim.as_str()))
             .bind(&r.worker)
             .bind(until)
             .bind(now)
             .bind(kind)
             .bind(to_i64(r.limit))
+            .bind(floor.seq)
+            .bind(floor.generation)
             .fetch_all(&mut *conn)
             .await?;
         let mut decoded = rows.iter().map(decode).collect::<Result<Vec<_>, _>>()?;
@@ -347,6 +383,17 @@ impl PgStore {
     }
 }
 
+impl PgStore {
+    /// Moves the claim's floor one step when one is due (src/floor.rs),
+    /// after a claim's transaction has ended.
+    async fn tend_floor(&self) {
+        self.inner
+            .floor
+            .tend(&self.inner.pool, &self.inner.sql)
+            .await;
+    }
+}
+
 pub(crate) fn to_i64(n: usize) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
@@ -360,7 +407,9 @@ impl Store for PgStore {
         let what = "claiming messages";
         let mut tx = self.begin_locked(what).await?;
         let result = self.claim_in(&mut tx, request).await;
-        self.finish(tx, result, what).await
+        let claimed = self.finish(tx, result, what).await?;
+        self.tend_floor().await;
+        Ok(claimed)
     }
 
     async fn complete(&self, ids: &[MessageId], now: Timestamp) -> Result<()> {
@@ -392,7 +441,9 @@ impl Store for PgStore {
             Ok(()) => self.claim_in(&mut tx, next).await,
             Err(e) => Err(e),
         };
-        self.finish(tx, result, what).await
+        let claimed = self.finish(tx, result, what).await?;
+        self.tend_floor().await;
+        Ok(claimed)
     }
 
     /// Under the claim lock: a failure makes a claimable message
