@@ -56,8 +56,8 @@ fn main() {
         if wanted("sqlite-latency") {
             figures.extend(sqlite_latency::figures(quick).await);
         }
-        if wanted("postgres") {
-            figures.extend(postgres::figures(quick).await);
+        if postgres::PARTS.iter().any(|part| wanted(part)) {
+            figures.extend(postgres::figures(quick, &wanted).await);
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);
