@@ -63,6 +63,9 @@ enum Variant {
     Raw,
     /// `PgOutbox::enqueue` (or `enqueue_tokio_postgres`).
     Enqueue,
+    /// `PgOutbox::enqueue_prepared`, its statements prepared once per
+    /// connection (tokio-postgres only).
+    EnqueuePrepared,
     /// `enqueue` and a `pg_notify` inside the transaction: the way this
     /// crate avoids, for contrast.
     EnqueueNotifyInside,
@@ -103,7 +106,11 @@ async fn sqlx_block(
                                 .await
                                 .unwrap();
                         }
-                        Variant::Enqueue | Variant::EnqueueNotifyInside => {
+                        // sqlx prepares and caches every statement per
+                        // connection: there is no separate prepared path.
+                        Variant::Enqueue
+                        | Variant::EnqueuePrepared
+                        | Variant::EnqueueNotifyInside => {
                             outbox
                                 .enqueue(&mut tx, bench_message(id as usize))
                                 .await
@@ -148,6 +155,7 @@ async fn tokio_block(
                 let mut client = client.lock().await;
                 let orders = client.prepare(&orders).await.unwrap();
                 let raw = client.prepare(&raw).await.unwrap();
+                let prepared = outbox.prepare_tokio_postgres(&*client).await.unwrap();
                 for _ in 0..per_writer {
                     let id = next_id.fetch_add(1, Ordering::Relaxed);
                     let tx = client.transaction().await.unwrap();
@@ -165,6 +173,12 @@ async fn tokio_block(
                             )
                             .await
                             .unwrap();
+                        }
+                        Variant::EnqueuePrepared => {
+                            outbox
+                                .enqueue_prepared(&tx, &prepared, bench_message(id as usize))
+                                .await
+                                .unwrap();
                         }
                         _ => {
                             outbox
@@ -208,72 +222,121 @@ where
     (per(a), per(b))
 }
 
+/// The outbox of `f`'s table through a store that announces nothing
+/// (`announce_commits(false)`): enqueues without the commit watcher.
+async fn silent_outbox(f: &PgUnderTest) -> PgOutbox {
+    PgStore::builder(f.url())
+        .schema(f.schema())
+        .table(f.pg().table())
+        .inbox_table(f.pg().inbox_table())
+        .announce_commits(false)
+        .max_connections(1)
+        .connect()
+        .await
+        .unwrap()
+        .outbox()
+}
+
+/// Business transactions with one enqueue against the same with a raw
+/// INSERT of the same row, alternating, through sqlx and tokio-postgres,
+/// with the store's wake-up on (the default) and off — the statement's own
+/// cost, and what the commit watcher adds (the figure "wake-up on vs off"
+/// measures the latter at 8 writers).
 async fn enqueue_overhead(quick: bool) -> Vec<Figure> {
     let mut out = Vec::new();
     let (rounds, block) = if quick { (2, 40) } else { (10, 200) };
     let next_id = Arc::new(AtomicI64::new(1));
+    let wake = |on: bool| if on { "wake-up on" } else { "wake-up off" };
     for writers in [1usize, 8] {
         let per_writer = (block / writers).max(5);
         let txs = per_writer * writers;
         let f = fixture(|b| b).await;
-        let outbox = f.pg().outbox();
+        let (on, off) = (f.pg().outbox(), silent_outbox(&f).await);
         // Warm the connections and the statement caches.
-        sqlx_block(&f, &outbox, writers, 5, Variant::Raw, &next_id).await;
-        sqlx_block(&f, &outbox, writers, 5, Variant::Enqueue, &next_id).await;
-        let (with, raw) = alternate(rounds, txs, |enqueue| {
-            let v = if enqueue {
-                Variant::Enqueue
-            } else {
-                Variant::Raw
-            };
-            sqlx_block(&f, &outbox, writers, per_writer, v, &next_id)
-        })
-        .await;
-        out.push(
-            Figure::new(
-                format!("business tx + one enqueue, PostgreSQL, sqlx, {writers} writer(s)"),
-                with,
-                "µs/tx",
-                "ratio ≤ 1.1",
-            )
-            .beside("the same tx + a raw INSERT of the same row", raw),
-        );
+        for (outbox, v) in [
+            (&on, Variant::Raw),
+            (&on, Variant::Enqueue),
+            (&off, Variant::Enqueue),
+        ] {
+            sqlx_block(&f, outbox, writers, 5, v, &next_id).await;
+        }
+        for announce in [true, false] {
+            let outbox = if announce { &on } else { &off };
+            let (with, raw) = alternate(rounds, txs, |enqueue| {
+                let v = if enqueue {
+                    Variant::Enqueue
+                } else {
+                    Variant::Raw
+                };
+                sqlx_block(&f, outbox, writers, per_writer, v, &next_id)
+            })
+            .await;
+            out.push(
+                Figure::new(
+                    format!(
+                        "business tx + one enqueue, PostgreSQL, sqlx, {writers} writer(s), {}",
+                        wake(announce)
+                    ),
+                    with,
+                    "µs/tx",
+                    "ratio ≤ 1.1",
+                )
+                .beside("the same tx + a raw INSERT of the same row", raw),
+            );
+        }
         // A fixture of its own, so that the sqlx pool's connections are
         // closed before the tokio-postgres clients open theirs.
-        drop(f);
+        drop((f, on, off));
         let f = fixture(|b| b).await;
-        let outbox = f.pg().outbox();
+        let (on, off) = (f.pg().outbox(), silent_outbox(&f).await);
         let mut clients = Vec::new();
         for _ in 0..writers {
             clients.push(Arc::new(tokio::sync::Mutex::new(
                 tokio_client(f.url()).await,
             )));
         }
-        tokio_block(&clients, &f, &outbox, 5, Variant::Raw, &next_id).await;
-        tokio_block(&clients, &f, &outbox, 5, Variant::Enqueue, &next_id).await;
-        let (with, raw) = alternate(rounds, txs, |enqueue| {
-            let v = if enqueue {
-                Variant::Enqueue
-            } else {
-                Variant::Raw
-            };
-            tokio_block(&clients, &f, &outbox, per_writer, v, &next_id)
-        })
-        .await;
-        out.push(
-            Figure::new(
-                format!(
-                    "business tx + one enqueue, PostgreSQL, tokio-postgres, {writers} writer(s)"
-                ),
-                with,
-                "µs/tx",
-                "ratio ≤ 1.1",
-            )
-            .beside(
-                "the same tx + a raw INSERT of the same row (prepared statement)",
-                raw,
+        for v in [Variant::Raw, Variant::Enqueue, Variant::EnqueuePrepared] {
+            tokio_block(&clients, &f, &on, 5, v, &next_id).await;
+        }
+        for (variant, how, announce) in [
+            (
+                Variant::Enqueue,
+                "enqueue_tokio_postgres, parsed per call",
+                true,
             ),
-        );
+            (
+                Variant::EnqueuePrepared,
+                "enqueue_prepared, prepared once per connection",
+                true,
+            ),
+            (
+                Variant::EnqueuePrepared,
+                "enqueue_prepared, prepared once per connection",
+                false,
+            ),
+        ] {
+            let outbox = if announce { &on } else { &off };
+            let (with, raw) = alternate(rounds, txs, |enqueue| {
+                let v = if enqueue { variant } else { Variant::Raw };
+                tokio_block(&clients, &f, outbox, per_writer, v, &next_id)
+            })
+            .await;
+            out.push(
+                Figure::new(
+                    format!(
+                        "business tx + one enqueue, PostgreSQL, tokio-postgres ({how}), {writers} writer(s), {}",
+                        wake(announce)
+                    ),
+                    with,
+                    "µs/tx",
+                    "ratio ≤ 1.1",
+                )
+                .beside(
+                    "the same tx + a raw INSERT of the same row (prepared statement)",
+                    raw,
+                ),
+            );
+        }
     }
     out
 }
@@ -329,16 +392,7 @@ async fn wake_up_cost(quick: bool) -> Vec<Figure> {
     let writers = 8;
     let (rounds, per_writer) = if quick { (2, 5) } else { (10, 40) };
     let f = fixture(|b| b).await;
-    let on = f.pg().outbox();
-    let off_store = PgStore::builder(f.url())
-        .schema(f.schema())
-        .table(f.pg().table())
-        .inbox_table(f.pg().inbox_table())
-        .announce_commits(false)
-        .connect()
-        .await
-        .unwrap();
-    let off = off_store.outbox();
+    let (on, off) = (f.pg().outbox(), silent_outbox(&f).await);
     let next_id = Arc::new(AtomicI64::new(1));
     sqlx_block(&f, &on, writers, 5, Variant::Enqueue, &next_id).await;
     sqlx_block(&f, &off, writers, 5, Variant::Enqueue, &next_id).await;

@@ -34,6 +34,8 @@ pub use store::PgStore;
 /// applications use the same one.
 pub use sqlx;
 
+#[cfg(feature = "tokio-postgres")]
+pub use tokio_pg::PreparedEnqueue;
 /// The tokio-postgres version this crate links against (feature
 /// `tokio-postgres`), re-exported so that applications use the same one.
 #[cfg(feature = "tokio-postgres")]

@@ -32,11 +32,11 @@ use crate::store::to_i64;
 /// order. Keyless messages take no lock.
 #[derive(Clone)]
 pub struct PgOutbox {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
-struct Shared {
-    sql: Arc<Sql>,
+pub(crate) struct Shared {
+    pub(crate) sql: Arc<Sql>,
     announcer: Announcer,
     clock: Arc<dyn Clock>,
 }

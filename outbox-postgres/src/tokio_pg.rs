@@ -2,15 +2,19 @@
 //! the same statements, validation, errors and post-commit announcement as
 //! the sqlx path, bound through tokio-postgres.
 //!
-//! Each statement runs with [`GenericClient::query_typed`]: the parameter
-//! types are given with the values, so the statement is parsed, bound and
-//! run in one round trip, with no prepared statement left on the
-//! application's connection.
+//! [`PgOutbox::enqueue_tokio_postgres`] runs its statement with
+//! [`GenericClient::query_typed`]: the parameter types are given with the
+//! values, so the statement is parsed, bound and run in one round trip, with
+//! no prepared statement left on the application's connection — but parsed
+//! and planned on every call. An application that keeps its connections
+//! prepares the statements once per connection
+//! ([`PgOutbox::prepare_tokio_postgres`]) and enqueues with
+//! [`PgOutbox::enqueue_prepared`], as it would its own statements.
 
-use outbox_api::{MessageId, NewMessage, Result};
-use tokio_postgres::GenericClient;
+use outbox_api::{Error, ErrorKind, MessageId, NewMessage, Result};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{GenericClient, Statement};
 
 use crate::error::{duplicate_id, from_tokio_postgres};
 use crate::outbox::PgOutbox;
@@ -64,6 +68,36 @@ fn is_unique_violation(e: &tokio_postgres::Error) -> bool {
     e.code() == Some(&SqlState::UNIQUE_VIOLATION)
 }
 
+/// The single-message enqueue statements of one outbox table, prepared on
+/// one tokio-postgres connection by [`PgOutbox::prepare_tokio_postgres`].
+///
+/// Like any [`Statement`], they belong to the connection that prepared
+/// them: use them only with that connection (or a transaction on it), and
+/// prepare again after reconnecting. On another connection the statement
+/// is unknown: PostgreSQL refuses it, and the transaction is aborted.
+#[derive(Debug, Clone)]
+pub struct PreparedEnqueue {
+    table: String,
+    insert: Statement,
+    insert_keyed: Statement,
+}
+
+/// The parameter types of an insert, in the order of `Encoded::typed_params`.
+const INSERT_TYPES: [Type; 12] = [
+    Type::UUID,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::BYTEA,
+    Type::TEXT,
+    Type::TEXT,
+    Type::TEXT,
+    Type::INT8,
+    Type::INT8,
+];
+
 impl PgOutbox {
     /// [`enqueue`](PgOutbox::enqueue) through tokio-postgres: validates
     /// `message` and writes it in `client` — the application's
@@ -85,7 +119,80 @@ impl PgOutbox {
         C: GenericClient + Sync,
     {
         let (sql, e, id) = self.prepare_one(message)?;
-        match client.query_typed(sql, &e.typed_params()).await {
+        let result = client.query_typed(sql, &e.typed_params()).await;
+        self.inserted_one(result, id)
+    }
+
+    /// Prepares this outbox's enqueue statements on `client`'s connection,
+    /// for [`enqueue_prepared`](Self::enqueue_prepared) on that connection:
+    /// one round trip per statement, once per connection, where
+    /// [`enqueue_tokio_postgres`](Self::enqueue_tokio_postgres) parses its
+    /// statement on every call.
+    pub async fn prepare_tokio_postgres<C>(&self, client: &C) -> Result<PreparedEnqueue>
+    where
+        C: GenericClient + Sync,
+    {
+        let what = "preparing the enqueue statements";
+        let sql = &self.shared.sql;
+        let insert = client
+            .prepare_typed(&sql.insert, &INSERT_TYPES)
+            .await
+            .map_err(|e| self.fail_tp(e, what))?;
+        let insert_keyed = client
+            .prepare_typed(&sql.insert_keyed, &INSERT_TYPES)
+            .await
+            .map_err(|e| self.fail_tp(e, what))?;
+        Ok(PreparedEnqueue {
+            table: self.table_display(),
+            insert,
+            insert_keyed,
+        })
+    }
+
+    /// [`enqueue_tokio_postgres`](Self::enqueue_tokio_postgres) with the
+    /// statements `prepared` on `client`'s connection: the same validation,
+    /// key lock, errors and announcement, without parsing the statement
+    /// again. Statements prepared for another outbox table are refused
+    /// (`Config`) before anything is written.
+    pub async fn enqueue_prepared<C>(
+        &self,
+        client: &C,
+        prepared: &PreparedEnqueue,
+        message: NewMessage,
+    ) -> Result<MessageId>
+    where
+        C: GenericClient + Sync,
+    {
+        let table = self.table_display();
+        if prepared.table != table {
+            return Err(Error::new(
+                ErrorKind::Config,
+                format!(
+                    "the enqueue statements were prepared for outbox table `{}`, not `{table}`",
+                    prepared.table
+                ),
+            ));
+        }
+        let (_, e, id) = self.prepare_one(message)?;
+        let statement = if e.key.is_some() {
+            &prepared.insert_keyed
+        } else {
+            &prepared.insert
+        };
+        let params = e.typed_params();
+        let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
+        let result = client.query(statement, &values).await;
+        self.inserted_one(result, id)
+    }
+
+    /// The outcome of a single insert: its transaction watched, or the
+    /// error (a duplicate id named).
+    fn inserted_one(
+        &self,
+        result: std::result::Result<Vec<tokio_postgres::Row>, tokio_postgres::Error>,
+        id: MessageId,
+    ) -> Result<MessageId> {
+        match result {
             Ok(rows) => {
                 let xid = xid_of(&rows).map_err(|err| self.fail_tp(err, "enqueuing a message"))?;
                 self.inserted(&xid);

@@ -12,14 +12,17 @@ use outbox_api::{
     ClaimRequest, ErrorKind, MessageId, MessageKind, NewMessage, OperatorStore, Result, Store,
     Timestamp,
 };
+use outbox_postgres::PreparedEnqueue;
 use outbox_postgres::sqlx::postgres::PgListener;
 use outbox_postgres::testing::PgUnderTest;
 use outbox_postgres::tokio_postgres::{self, Client, NoTls};
 
-/// A fresh schema, and the application's tokio-postgres connection.
+/// A fresh schema, and the application's tokio-postgres connection (with
+/// the enqueue statements prepared on it, for the suite that uses them).
 struct TokioPgUnderTest {
     pg: PgUnderTest,
     client: tokio::sync::Mutex<Client>,
+    prepared: Option<PreparedEnqueue>,
 }
 
 async fn connect(url: &str) -> Client {
@@ -36,6 +39,37 @@ async fn sut() -> TokioPgUnderTest {
     TokioPgUnderTest {
         pg,
         client: tokio::sync::Mutex::new(client),
+        prepared: None,
+    }
+}
+
+/// The same, enqueueing through statements prepared once on the connection.
+async fn sut_prepared() -> TokioPgUnderTest {
+    let mut sut = sut().await;
+    let client = sut.client.lock().await;
+    let prepared = sut
+        .pg
+        .pg()
+        .outbox()
+        .prepare_tokio_postgres(&*client)
+        .await
+        .expect("prepare");
+    drop(client);
+    sut.prepared = Some(prepared);
+    sut
+}
+
+impl TokioPgUnderTest {
+    async fn enqueue_in(
+        &self,
+        tx: &tokio_postgres::Transaction<'_>,
+        message: NewMessage,
+    ) -> Result<MessageId> {
+        let outbox = self.pg.pg().outbox();
+        match &self.prepared {
+            Some(prepared) => outbox.enqueue_prepared(tx, prepared, message).await,
+            None => outbox.enqueue_tokio_postgres(tx, message).await,
+        }
     }
 }
 
@@ -46,26 +80,21 @@ impl StoreUnderTest for TokioPgUnderTest {
     }
 
     async fn try_enqueue(&self, messages: Vec<NewMessage>) -> Result<Vec<MessageId>> {
-        let outbox = self.pg.pg().outbox();
         let mut client = self.client.lock().await;
         let tx = client.transaction().await.expect("begin");
         let mut ids = Vec::new();
         for m in messages {
-            ids.push(outbox.enqueue_tokio_postgres(&tx, m).await?);
+            ids.push(self.enqueue_in(&tx, m).await?);
         }
         tx.commit().await.expect("commit");
         Ok(ids)
     }
 
     async fn enqueue_rolled_back(&self, messages: Vec<NewMessage>) {
-        let outbox = self.pg.pg().outbox();
         let mut client = self.client.lock().await;
         let tx = client.transaction().await.expect("begin");
         for m in messages {
-            outbox
-                .enqueue_tokio_postgres(&tx, m)
-                .await
-                .expect("enqueue");
+            self.enqueue_in(&tx, m).await.expect("enqueue");
         }
         tx.rollback().await.expect("rollback");
     }
@@ -73,6 +102,39 @@ impl StoreUnderTest for TokioPgUnderTest {
 
 mod conformance {
     outbox_api::store_conformance_tests!(super::sut);
+}
+
+mod conformance_prepared {
+    outbox_api::store_conformance_tests!(super::sut_prepared);
+}
+
+#[tokio::test]
+async fn statements_prepared_for_another_outbox_are_refused_before_writing() {
+    let sut = sut_prepared().await;
+    let other = PgUnderTest::fresh(None).await;
+    let mut client = sut.client.lock().await;
+    let prepared = sut.prepared.clone().unwrap();
+    let tx = client.transaction().await.unwrap();
+    let err = other
+        .pg()
+        .outbox()
+        .enqueue_prepared(&tx, &prepared, msg(1))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+    assert!(
+        err.to_string().contains("prepared for outbox table"),
+        "{err}"
+    );
+    // Nothing was sent: the transaction is still usable.
+    sut.pg
+        .pg()
+        .outbox()
+        .enqueue_prepared(&tx, &prepared, msg(2))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(sut.pg.pg().stats().await.unwrap().pending, 1);
 }
 
 fn msg(n: usize) -> NewMessage {
