@@ -137,7 +137,14 @@ impl ClaimFloor {
         candidate: Option<Candidate>,
         lower: i64,
     ) -> Result<(), sqlx::Error> {
-        let mut conn = pool.acquire().await?;
+        // Only an idle connection: a floor step never waits for the pool
+        // (the claims and handlers it serves come first). Without one it
+        // is the next claim's turn.
+        let Some(mut conn) = pool.try_acquire() else {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.next_step = None;
+            return Ok(());
+        };
         if let Some(c) = candidate {
             let row = sqlx::query(AssertSqlSafe(sql.floor_check.as_str()))
                 .bind(&c.xid)

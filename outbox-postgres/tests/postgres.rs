@@ -493,7 +493,12 @@ async fn the_claim_plan_uses_the_partial_indexes() {
     let plan = plan.join("\n");
     assert!(plan.contains("test_outbox_pending_idx"), "{plan}");
     assert!(plan.contains("test_outbox_key_idx"), "{plan}");
-    assert!(plan.contains("test_outbox_poisoned_keys"), "{plan}");
+    // With no poisoned message the two poisoned indexes cost the same; with
+    // many, the one by key is cheaper. Either walks poisoned messages only.
+    assert!(
+        plan.contains("test_outbox_poisoned_keys") || plan.contains("test_outbox_poisoned_idx"),
+        "{plan}"
+    );
     // The one sequential scan is of the one-row `_retries` sequence.
     assert!(!plan.contains("Seq Scan on test_outbox "), "{plan}");
 }
