@@ -807,8 +807,8 @@ async fn pinned_phase(pinned: bool, period: Duration) -> PinnedPhase {
     let enqueued = writer.await.unwrap();
     relay.shutdown().await;
     let claim_buffers = (
-        claim_buffers(&f, f.pg().claim_floor()).await,
-        claim_buffers(&f, (0, -1)).await,
+        f.claim_buffers(f.pg().claim_floor(), 100).await.0,
+        f.claim_buffers((0, -1), 100).await.0,
     );
     if let Some(mut conn) = holder {
         sqlx::raw_sql("COMMIT").execute(&mut *conn).await.unwrap();
@@ -818,39 +818,6 @@ async fn pinned_phase(pinned: bool, period: Duration) -> PinnedPhase {
         enqueued: enqueued as f64 / secs,
         claim_buffers,
     }
-}
-
-/// Shared buffers one claim of 100 touches (`EXPLAIN (ANALYZE, BUFFERS)`,
-/// rolled back) walking from `floor`.
-async fn claim_buffers(f: &PgUnderTest, floor: (i64, i64)) -> u64 {
-    let mut conn = f.pool().acquire().await.unwrap();
-    sqlx::raw_sql(AssertSqlSafe(f.pg().begin_claim_statement()))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    let now = Timestamp::now().as_millis();
-    let plan: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "EXPLAIN (ANALYZE, BUFFERS) {}",
-        f.pg().claim_statement()
-    )))
-    .bind("bench-explain")
-    .bind(now + 30_000)
-    .bind(now)
-    .bind(None::<String>)
-    .bind(100_i64)
-    .bind(floor.0)
-    .bind(floor.1)
-    .fetch_all(&mut *conn)
-    .await
-    .unwrap();
-    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
-    plan.iter()
-        .find(|l| l.trim_start().starts_with("Buffers:"))
-        .map_or(0, |line| {
-            line.split_whitespace()
-                .filter_map(|w| w.split_once('=').and_then(|(_, n)| n.parse::<u64>().ok()))
-                .sum()
-        })
 }
 
 async fn pinned_xmin(quick: bool) -> Vec<Figure> {

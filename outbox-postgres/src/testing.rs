@@ -6,7 +6,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
 use outbox_api::testing::{Service, StoreUnderTest, service_url};
-use outbox_api::{Clock, MessageId, NewMessage, OperatorStore, Result};
+use std::time::Duration;
+
+use outbox_api::{
+    ClaimRequest, Clock, MessageId, MessageKind, NewMessage, OperatorStore, Result, Timestamp,
+};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -118,6 +122,65 @@ impl PgUnderTest {
     pub fn url(&self) -> &str {
         &self.url
     }
+
+    /// Shared buffers one claim of `limit` touches walking from `floor`
+    /// (`(seq, retry generation)`, as [`PgStore::claim_floor`] gives it;
+    /// `(0, -1)` walks from the start), run as the relay runs it under
+    /// `EXPLAIN (ANALYZE, BUFFERS)` and rolled back; with the plan.
+    pub async fn claim_buffers(&self, floor: (i64, i64), limit: i64) -> (u64, String) {
+        let mut conn = self.pool.acquire().await.expect("connection");
+        sqlx::raw_sql(sqlx::AssertSqlSafe(self.store.begin_claim_statement()))
+            .execute(&mut *conn)
+            .await
+            .expect("begin the claim");
+        let now = Timestamp::now().as_millis();
+        let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "EXPLAIN (ANALYZE, BUFFERS) {}",
+            self.store.claim_statement()
+        )))
+        .bind("explain")
+        .bind(now + 30_000)
+        .bind(now)
+        .bind(None::<&str>)
+        .bind(limit)
+        .bind(floor.0)
+        .bind(floor.1)
+        .fetch_all(&mut *conn)
+        .await
+        .expect("explain the claim");
+        sqlx::raw_sql("ROLLBACK")
+            .execute(&mut *conn)
+            .await
+            .expect("rollback");
+        let plan = plan.join("\n");
+        // The first `Buffers:` line is the whole statement's.
+        let total = plan
+            .lines()
+            .find(|l| l.trim_start().starts_with("Buffers:"))
+            .map_or(0, |line| {
+                line.split_whitespace()
+                    .filter_map(|w| w.split_once('=').and_then(|(_, n)| n.parse::<u64>().ok()))
+                    .sum()
+            });
+        (total, plan)
+    }
+}
+
+/// A domain message of type `Test` whose payload is `n` in decimal.
+pub fn test_message(n: usize) -> NewMessage {
+    NewMessage::new(MessageKind::Domain, "Test", n.to_string().into_bytes())
+}
+
+/// A claim of at most `limit` messages by worker `w`, leased for 30 s, at
+/// a `now` one second ahead (so that messages enqueued just before are
+/// available whatever the clock's resolution).
+pub fn claim_request(limit: usize) -> ClaimRequest {
+    ClaimRequest::new(
+        "w",
+        limit,
+        Duration::from_secs(30),
+        Timestamp::now().add(Duration::from_secs(1)),
+    )
 }
 
 impl Drop for PgUnderTest {

@@ -5,27 +5,11 @@
 use std::time::Duration;
 
 use outbox_api::testing::wait_until;
-use outbox_api::{
-    ClaimRequest, FailOutcome, Failure, MessageKind, NewMessage, OperatorStore, Store, Timestamp,
-};
+use outbox_api::{FailOutcome, Failure, MessageKind, OperatorStore, Store, Timestamp};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection, Row};
-use outbox_postgres::testing::PgUnderTest;
+use outbox_postgres::testing::{PgUnderTest, claim_request as claim, test_message as msg};
 
-const LEASE: Duration = Duration::from_secs(30);
 const DEADLINE: Duration = Duration::from_secs(30);
-
-fn msg(n: usize) -> NewMessage {
-    NewMessage::new(MessageKind::Domain, "Test", n.to_string().into_bytes())
-}
-
-fn claim(limit: usize) -> ClaimRequest {
-    ClaimRequest::new(
-        "w",
-        limit,
-        LEASE,
-        Timestamp::now().add(Duration::from_secs(1)),
-    )
-}
 
 /// A claim that takes nothing (every message is a domain message) but, like
 /// every claim, gives the floor its step when one is due.
@@ -63,44 +47,6 @@ async fn seq_of(f: &PgUnderTest, payload: &str) -> i64 {
     .fetch_one(f.pool())
     .await
     .unwrap()
-}
-
-/// Shared buffers the claim touches, run as the relay runs it with the
-/// floor `(seq, generation)`, under `EXPLAIN (ANALYZE, BUFFERS)`, rolled back.
-async fn claim_buffers(f: &PgUnderTest, floor: (i64, i64)) -> (u64, String) {
-    let mut conn = f.pool().acquire().await.unwrap();
-    sqlx::raw_sql(AssertSqlSafe(f.pg().begin_claim_statement()))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    let now = Timestamp::now().as_millis();
-    let plan: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
-        "EXPLAIN (ANALYZE, BUFFERS) {}",
-        f.pg().claim_statement()
-    )))
-    .bind("explain")
-    .bind(now + 30_000)
-    .bind(now)
-    .bind(None::<&str>)
-    .bind(20_i64)
-    .bind(floor.0)
-    .bind(floor.1)
-    .fetch_all(&mut *conn)
-    .await
-    .unwrap();
-    sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
-    let plan = plan.join("\n");
-    // The first `Buffers:` line is the whole statement's.
-    let line = plan
-        .lines()
-        .find(|l| l.trim_start().starts_with("Buffers:"))
-        .unwrap_or_else(|| panic!("no Buffers line in\n{plan}"));
-    let total = line
-        .split_whitespace()
-        .filter_map(|w| w.split_once('=').map(|(_, n)| n))
-        .map(|n| n.parse::<u64>().unwrap())
-        .sum();
-    (total, plan)
 }
 
 /// Completes every message the claims give until `n` are done.
@@ -166,8 +112,8 @@ async fn under_a_long_transaction_claims_do_not_walk_completed_messages() {
     .unwrap();
     floor_reaches(&f, lowest_pending(&f).await.unwrap()).await;
 
-    let (from_start, plan_from_start) = claim_buffers(&f, (0, -1)).await;
-    let (from_floor, plan) = claim_buffers(&f, f.pg().claim_floor()).await;
+    let (from_start, plan_from_start) = f.claim_buffers((0, -1), 20).await;
+    let (from_floor, plan) = f.claim_buffers(f.pg().claim_floor(), 20).await;
     // The premise: vacuum kept the 6,000 completed messages' entries, and a
     // walk from the start steps over them.
     assert!(

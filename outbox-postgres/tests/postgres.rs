@@ -6,26 +6,13 @@ use std::time::Duration;
 use outbox_api::testing::StoreUnderTest;
 use outbox_api::testing::wait_until;
 use outbox_api::{
-    ClaimRequest, ErrorKind, MessageKind, MessageState, NewMessage, OperatorStore, Store, Timestamp,
+    ErrorKind, MessageKind, MessageState, NewMessage, OperatorStore, Store, Timestamp,
 };
 use outbox_postgres::sqlx::{self, postgres::PgListener};
-use outbox_postgres::testing::{PgUnderTest, database_url, unique_schema};
+use outbox_postgres::testing::{
+    PgUnderTest, claim_request as claim, database_url, test_message as msg, unique_schema,
+};
 use outbox_postgres::{PgStore, WakeUp};
-
-const LEASE: Duration = Duration::from_secs(30);
-
-fn msg(n: usize) -> NewMessage {
-    NewMessage::new(MessageKind::Domain, "Test", n.to_string().into_bytes())
-}
-
-fn claim(limit: usize) -> ClaimRequest {
-    ClaimRequest::new(
-        "w",
-        limit,
-        LEASE,
-        Timestamp::now().add(Duration::from_secs(1)),
-    )
-}
 
 fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
     messages

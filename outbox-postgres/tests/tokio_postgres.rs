@@ -8,13 +8,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_api::testing::StoreUnderTest;
-use outbox_api::{
-    ClaimRequest, ErrorKind, MessageId, MessageKind, NewMessage, OperatorStore, Result, Store,
-    Timestamp,
-};
+use outbox_api::{ErrorKind, MessageId, MessageKind, NewMessage, OperatorStore, Result, Store};
 use outbox_postgres::PreparedEnqueue;
 use outbox_postgres::sqlx::postgres::PgListener;
-use outbox_postgres::testing::PgUnderTest;
+use outbox_postgres::testing::{PgUnderTest, claim_request as claim, test_message as msg};
 use outbox_postgres::tokio_postgres::{self, Client, NoTls};
 
 /// A fresh schema, and the application's tokio-postgres connection (with
@@ -135,19 +132,6 @@ async fn statements_prepared_for_another_outbox_are_refused_before_writing() {
         .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(sut.pg.pg().stats().await.unwrap().pending, 1);
-}
-
-fn msg(n: usize) -> NewMessage {
-    NewMessage::new(MessageKind::Domain, "Test", n.to_string().into_bytes())
-}
-
-fn claim(limit: usize) -> ClaimRequest {
-    ClaimRequest::new(
-        "w",
-        limit,
-        Duration::from_secs(30),
-        Timestamp::now().add(Duration::from_secs(1)),
-    )
 }
 
 fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
