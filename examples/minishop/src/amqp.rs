@@ -146,6 +146,11 @@ impl Consumer {
         self.0.consuming()
     }
 
+    /// What it has done so far.
+    pub fn stats(&self) -> outbox::rabbitmq::ConsumerStats {
+        self.0.stats()
+    }
+
     /// Whether it still runs.
     pub fn is_running(&self) -> bool {
         self.0.is_running()

@@ -71,11 +71,17 @@ pub async fn run(
     crate::http::shutdown_signal().await;
     relay.shutdown().await;
     consumer.shutdown().await;
-    let totals = relay.totals();
+    let s = consumer.stats();
+    // The relays share one outbox: a replica relays answers that others
+    // committed too.
     println!(
-        "warehouse replica {replica} of {replicas}: {}; relayed {} answers",
-        consumer.describe(),
-        totals.delivered
+        "warehouse replica {replica} of {replicas}: handled {} OrderPlaced (duplicates {}, retried {}, dead-lettered {}, store errors {}); relayed {} answers",
+        s.handled,
+        s.duplicates,
+        s.retried,
+        s.dead_lettered,
+        s.store_errors,
+        relay.totals().delivered
     );
     warehouse.database().close().await;
     eprintln!("MiniShop stopped.");

@@ -326,6 +326,10 @@ fn three_warehouse_replicas_answer_every_order_once_through_a_sigkill() {
         assert!(!r.stderr.contains("panic"), "replica {i}:\n{}", r.stderr);
         handled.push(figure(&r.stdout.replace("handled", "\nhandled"), "handled"));
     }
+    eprintln!(
+        "{}\nhandled per replica (1 restarted after its SIGKILL): {handled:?}",
+        f.stdout
+    );
     // The replicas that were never killed consumed partitions of their own.
     assert!(
         handled[0] > 0 && handled[2] > 0,
