@@ -126,7 +126,7 @@ struct Args {
 
     /// With --role warehouse: this process's index, 0 to --replicas - 1.
     /// Each replica needs its own (its relay's worker id is
-    /// minishop-warehouse-<I>).
+    /// `minishop-warehouse-<I>`).
     #[arg(long, value_name = "I", default_value_t = 0)]
     replica: u16,
 
