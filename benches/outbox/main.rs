@@ -7,11 +7,12 @@
 //! service their rows say NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
 //! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, postgres,
-//! rabbitmq; a name selects every group
+//! rabbitmq, consumer; a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
 mod common;
+mod consumer;
 mod latency_trace;
 mod memory;
 mod postgres;
@@ -22,6 +23,10 @@ mod sqlite_latency;
 fn main() {
     if let Ok(n) = std::env::var("OUTBOX_BENCH_RSS_CHILD") {
         sqlite::rss_child(n.parse().expect("message count"));
+        return;
+    }
+    if let Ok(spec) = std::env::var(consumer::CHILD_ENV) {
+        consumer::victim_child(&spec);
         return;
     }
     let quick = common::quick();
@@ -61,6 +66,9 @@ fn main() {
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);
+        }
+        if wanted("consumer") {
+            figures.extend(consumer::figures(quick).await);
         }
     });
     common::print_table(&figures);

@@ -8,7 +8,8 @@ use outbox::rabbitmq::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions
 use outbox::rabbitmq::lapin::types::ShortString;
 use outbox::rabbitmq::lapin::{Connection, ConnectionProperties};
 use outbox::rabbitmq::{
-    ConsumerHandle, ExchangeType, RabbitConfig, RabbitConsumer, RabbitTransport, Topology,
+    ConsumerHandle, ExchangeType, Partitions, RabbitConfig, RabbitConsumer, RabbitConsumerBuilder,
+    RabbitTransport, Topology,
 };
 
 use crate::fail::{Context, Fail};
@@ -27,8 +28,14 @@ pub struct AmqpNames {
     pub dead_letter_exchange: String,
     /// The dead letters, for a human.
     pub dead_letter_queue: String,
-    /// Warehouse's inbox queue (`OrderPlaced`).
+    /// Warehouse's inbox queue (`OrderPlaced`), when one process runs
+    /// both modules.
     pub warehouse_queue: String,
+    /// Warehouse's partition queues (`minishop.warehouse.0` …), when the
+    /// modules run as separate processes (`--role`): Ordering publishes
+    /// `OrderPlaced` partitioned by its key (the order id), each partition
+    /// has a single active consumer among the warehouse replicas.
+    pub warehouse_partitions: Option<Partitions>,
     /// Ordering's inbox queue (`StockReserved`, `StockRejected`).
     pub ordering_queue: String,
     /// Whether the names are unique to this run (deleted at exit).
@@ -36,40 +43,52 @@ pub struct AmqpNames {
 }
 
 impl AmqpNames {
-    /// `minishop`, `minishop.warehouse`, …; with `isolated`, each name gets
-    /// a suffix unique to this run, so parallel runs do not share queues.
-    pub fn new(isolated: bool) -> Self {
-        let suffix = if isolated {
-            let id = uuid::Uuid::now_v7().simple().to_string();
-            // The tail of a v7 id is random; the head is the time.
-            format!(".run-{}", &id[id.len() - 12..])
-        } else {
-            String::new()
-        };
-        AmqpNames {
+    /// `minishop`, `minishop.warehouse`, …; with a `run` id, each name gets
+    /// the suffix `.run-<id>`, so that other runs do not share the queues
+    /// (`isolated`: the id is this process's own, and the names are
+    /// deleted at exit). With `partitions`, Warehouse consumes that many
+    /// partition queues instead of one queue.
+    pub fn new(run: Option<&str>, isolated: bool, partitions: Option<u16>) -> Result<Self, Fail> {
+        let suffix = run.map(|id| format!(".run-{id}")).unwrap_or_default();
+        let warehouse_partitions = partitions
+            .map(|n| Partitions::new(format!("minishop.warehouse{suffix}"), n))
+            .transpose()
+            .context("--partitions")?;
+        Ok(AmqpNames {
             exchange: format!("minishop{suffix}"),
             dead_letter_exchange: format!("minishop.dlx{suffix}"),
             dead_letter_queue: format!("minishop.dead{suffix}"),
             warehouse_queue: format!("minishop.warehouse{suffix}"),
             ordering_queue: format!("minishop.ordering{suffix}"),
+            warehouse_partitions,
             isolated,
-        }
+        })
     }
 
-    /// Exchanges, queues bound by message type, and dead-lettering.
+    /// Exchanges, queues bound by message type, and dead-lettering. Every
+    /// process declares all of it (declaring is idempotent), so that no
+    /// message is unroutable whichever process starts first.
     pub fn topology(&self) -> Topology {
-        Topology::new()
+        let topology = Topology::new()
             .exchange(&self.exchange, ExchangeType::Direct)
             .exchange(&self.dead_letter_exchange, ExchangeType::Fanout)
             .queue(&self.dead_letter_queue)
-            .bind(&self.dead_letter_queue, &self.dead_letter_exchange, "")
-            .dead_letter(&self.warehouse_queue, &self.dead_letter_exchange)
+            .bind(&self.dead_letter_queue, &self.dead_letter_exchange, "");
+        let topology = match &self.warehouse_partitions {
+            None => topology
+                .dead_letter(&self.warehouse_queue, &self.dead_letter_exchange)
+                .bind(
+                    &self.warehouse_queue,
+                    &self.exchange,
+                    OrderPlaced::MESSAGE_TYPE,
+                ),
+            Some(p) => topology
+                .partitioned(p)
+                .dead_letter_partitioned(p, &self.dead_letter_exchange)
+                .bind_partitioned(p, &self.exchange, OrderPlaced::MESSAGE_TYPE),
+        };
+        topology
             .dead_letter(&self.ordering_queue, &self.dead_letter_exchange)
-            .bind(
-                &self.warehouse_queue,
-                &self.exchange,
-                OrderPlaced::MESSAGE_TYPE,
-            )
             .bind(
                 &self.ordering_queue,
                 &self.exchange,
@@ -91,14 +110,17 @@ pub fn check_url(url: &str) -> Result<String, Fail> {
 }
 
 /// A relay's transport: publishes to the shop's exchange, with confirms.
+/// Ordering's (`who` = `ordering`) routes by key hash to Warehouse's
+/// partitions when there are some: it publishes `OrderPlaced` only.
 pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<RabbitTransport, Fail> {
-    RabbitTransport::builder(url)
+    let mut config = RabbitTransport::builder(url)
         .with_default_exchange(&names.exchange)
         .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_connection_name(format!("minishop {who} relay"))
-        .build()
-        .await
-        .context("connecting to RabbitMQ")
+        .with_connection_name(format!("minishop {who} relay"));
+    if let (Some(p), "ordering") = (&names.warehouse_partitions, who) {
+        config = config.with_partitioned_exchange(&names.exchange, p.count());
+    }
+    config.build().await.context("connecting to RabbitMQ")
 }
 
 /// Counted handler failures after which a delivery is dead-lettered, on
@@ -116,6 +138,17 @@ impl Consumer {
     /// The queue it consumes.
     pub fn queue(&self) -> &str {
         self.0.queue()
+    }
+
+    /// The queues it consumes now (a partitioned consumer: the partitions
+    /// it owns, and those it took over).
+    pub fn consuming(&self) -> Vec<String> {
+        self.0.consuming()
+    }
+
+    /// What it has done so far.
+    pub fn stats(&self) -> outbox::rabbitmq::ConsumerStats {
+        self.0.stats()
     }
 
     /// Whether it still runs.
@@ -136,8 +169,15 @@ impl Consumer {
             "NOT connected"
         };
         let s = self.0.stats();
+        let consuming = self.consuming();
+        // A partitioned consumer: which partitions it has now.
+        let queues = if consuming.is_empty() || consuming == [self.queue()] {
+            String::new()
+        } else {
+            format!(" (consuming now: {})", consuming.join(", "))
+        };
         format!(
-            "consumer of `{}`: {state}, handled {}, duplicates {}, retried {}, dead-lettered {}, store errors {}",
+            "consumer of `{}`{queues}: {state}, handled {}, duplicates {}, retried {}, dead-lettered {}, store errors {}",
             self.queue(),
             s.handled,
             s.duplicates,
@@ -159,13 +199,44 @@ pub async fn consumer(
     queue: &str,
     module: Arc<dyn InboxModule>,
 ) -> Result<Consumer, Fail> {
-    let db = module.db().clone();
     let config = RabbitConfig::new(url)
         .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_connection_name(format!("minishop {} consumer", db.name));
-    let builder = RabbitConsumer::with_config(config, queue)
-        .consumer_name(db.name)
-        .prefetch(PREFETCH);
+        .with_connection_name(format!("minishop {} consumer", module.db().name));
+    let what = format!("queue `{queue}`");
+    spawn_consumer(RabbitConsumer::with_config(config, queue), what, module).await
+}
+
+/// Warehouse replica `replica` of `replicas`: consumes the partitions it
+/// owns into the shared `warehouse` inbox (one consumer name, so a message
+/// redelivered to another replica is a duplicate there too), and stands by
+/// for the others, taking one over within about a second when its owner
+/// dies and handing it back when the owner returns.
+pub async fn partitioned_consumer(
+    url: &str,
+    partitions: &Partitions,
+    (replica, replicas): (u16, u16),
+    module: Arc<dyn InboxModule>,
+) -> Result<Consumer, Fail> {
+    let builder = RabbitConsumer::partitioned(url, partitions.clone())
+        .replica(replica, replicas)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .connection_name(format!(
+            "minishop {} consumer, replica {replica} of {replicas}",
+            module.db().name
+        ));
+    let what = format!("the partition queues `{}.*`", partitions.prefix());
+    spawn_consumer(builder, what, module).await
+}
+
+/// Spawns `builder` on `module`'s inbox (SQLite or PostgreSQL); `what` it
+/// consumes names it in errors.
+async fn spawn_consumer(
+    builder: RabbitConsumerBuilder,
+    what: String,
+    module: Arc<dyn InboxModule>,
+) -> Result<Consumer, Fail> {
+    let db = module.db().clone();
+    let builder = builder.consumer_name(db.name).prefetch(PREFETCH);
     let spawned = match (db.sqlite(), db.postgres()) {
         (Some((outbox, pool)), _) => {
             let handler = AmqpInbox {
@@ -195,7 +266,7 @@ pub async fn consumer(
     };
     spawned
         .map(Consumer)
-        .context(format!("consuming RabbitMQ queue `{queue}`"))
+        .context(format!("consuming RabbitMQ {what}"))
 }
 
 /// Deletes the queues and exchanges of an isolated run (best effort).
@@ -203,11 +274,19 @@ pub async fn delete_isolated(url: &str, names: &AmqpNames) {
     let work = async {
         let conn = Connection::connect(url, ConnectionProperties::default()).await?;
         let ch = conn.create_channel().await?;
+        let partitions = names
+            .warehouse_partitions
+            .as_ref()
+            .map(Partitions::queues)
+            .unwrap_or_default();
         for q in [
             &names.warehouse_queue,
             &names.ordering_queue,
             &names.dead_letter_queue,
-        ] {
+        ]
+        .into_iter()
+        .chain(&partitions)
+        {
             ch.queue_delete(ShortString::from(q.as_str()), QueueDeleteOptions::default())
                 .await?;
         }

@@ -67,9 +67,10 @@ impl std::fmt::Debug for Location {
 }
 
 impl Location {
-    /// The PostgreSQL database at `url`; with `isolated`, schema names
-    /// unique to this run. A malformed URL fails here, redacted.
-    pub fn postgres(url: &str, isolated: bool) -> Result<Location, Fail> {
+    /// The PostgreSQL database at `url`; with a `run` id, schema names
+    /// of that run (`<module>_run_<id>`). A malformed URL fails here,
+    /// redacted.
+    pub fn postgres(url: &str, run: Option<&str>) -> Result<Location, Fail> {
         let redacted = outbox::backend::redact_url(url);
         if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
             return Err(Fail(format!(
@@ -81,13 +82,7 @@ impl Location {
                 "--postgres: `{redacted}` is not a valid PostgreSQL URL"
             )));
         }
-        let suffix = if isolated {
-            let id = uuid::Uuid::now_v7().simple().to_string();
-            // The tail of a v7 id is random; the head is the time.
-            format!("_run_{}", &id[id.len() - 12..])
-        } else {
-            String::new()
-        };
+        let suffix = run.map(|id| format!("_run_{id}")).unwrap_or_default();
         Ok(Location::Postgres {
             url: url.to_owned(),
             redacted,
@@ -112,6 +107,19 @@ impl Location {
                 MODULES
                     .map(|m| format!("`{}`", self.schema(m).unwrap_or_default()))
                     .join(", ")
+            ),
+        }
+    }
+
+    /// For humans: where one module's data is.
+    pub fn describe_module(&self, module: &str) -> String {
+        match self {
+            Location::Sqlite { dir } => {
+                format!("data in `{}`", dir.join(format!("{module}.db")).display())
+            }
+            Location::Postgres { redacted, .. } => format!(
+                "data in PostgreSQL at {redacted} (schema `{}`)",
+                self.schema(module).unwrap_or_default()
             ),
         }
     }
@@ -351,16 +359,37 @@ impl ModuleDb {
             }
         };
         let db = ModuleDb { name, backend };
-        let statements = match &db.backend {
-            Backend::Sqlite { .. } => ddl.sqlite,
-            Backend::Postgres { .. } => ddl.postgres,
-        };
-        for statement in statements {
-            with_pool!(db.pool(), |p| sqlx::query(*statement)
-                .execute(p)
-                .await
-                .map(|_| ()))
-            .context(format!("creating the {name} tables"))?;
+        match &db.backend {
+            Backend::Sqlite { pool, .. } => {
+                for statement in ddl.sqlite {
+                    sqlx::query(*statement)
+                        .execute(pool)
+                        .await
+                        .context(format!("creating the {name} tables"))?;
+                }
+            }
+            Backend::Postgres { pool, .. } => {
+                // Several processes may open the module at once (warehouse
+                // replicas): concurrent `CREATE TABLE IF NOT EXISTS` of one
+                // table can fail on PostgreSQL, so they take turns.
+                let mut tx = pool
+                    .begin()
+                    .await
+                    .context(format!("creating the {name} tables"))?;
+                sqlx::query("SELECT pg_advisory_xact_lock(hashtext(current_schema()))")
+                    .execute(&mut *tx)
+                    .await
+                    .context(format!("creating the {name} tables"))?;
+                for statement in ddl.postgres {
+                    sqlx::query(*statement)
+                        .execute(&mut *tx)
+                        .await
+                        .context(format!("creating the {name} tables"))?;
+                }
+                tx.commit()
+                    .await
+                    .context(format!("creating the {name} tables"))?;
+            }
         }
         Ok(db)
     }
@@ -546,18 +575,18 @@ mod tests {
 
     #[test]
     fn postgres_urls_are_checked_and_never_shown_with_their_password() {
-        let e = Location::postgres("mysql://u:s3cret@h/db", false).unwrap_err();
+        let e = Location::postgres("mysql://u:s3cret@h/db", None).unwrap_err();
         assert!(!e.0.contains("s3cret") && e.0.contains("u:***@h"), "{e}");
-        let e = Location::postgres("postgres://u:s3cret@h:notaport/db", false).unwrap_err();
+        let e = Location::postgres("postgres://u:s3cret@h:notaport/db", None).unwrap_err();
         assert!(
             !e.0.contains("s3cret") && e.0.contains("not a valid"),
             "{e}"
         );
-        let l = Location::postgres("postgres://u:s3cret@h/db", false).unwrap();
+        let l = Location::postgres("postgres://u:s3cret@h/db", None).unwrap();
         assert_eq!(l.schema("ordering").as_deref(), Some("ordering"));
         assert!(!format!("{l:?}").contains("s3cret"));
         assert!(!l.describe().contains("s3cret"));
-        let l = Location::postgres("postgresql://u@h/db", true).unwrap();
+        let l = Location::postgres("postgresql://u@h/db", Some("0123456789ab")).unwrap();
         let schema = l.schema("warehouse").unwrap();
         assert!(
             schema.starts_with("warehouse_run_") && schema.len() == 26,

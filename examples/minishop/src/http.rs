@@ -51,7 +51,7 @@ pub fn router(shop: Arc<Shop>, metrics: PrometheusHandle) -> Result<Router, Fail
         .merge(outbox_console::router(console)))
 }
 
-/// The outbox console over both modules' outboxes, each with its relay's
+/// The outbox console over the modules' outboxes, each with its relay's
 /// own health. Loopback only, unless `OUTBOX_CONSOLE_TOKEN` is set.
 fn console(shop: &Shop) -> Result<outbox_console::Console, Fail> {
     let health = |relay: &outbox::RelayHandle| {
@@ -67,12 +67,13 @@ fn console(shop: &Shop) -> Result<outbox_console::Console, Fail> {
             shop.ordering.database().operator_store(),
             health(&shop.ordering_relay),
         )
-        .and_then(|c| {
-            c.outbox_with_health(
+        .and_then(|c| match &shop.warehouse {
+            Some((warehouse, relay)) => c.outbox_with_health(
                 "warehouse",
-                shop.warehouse.database().operator_store(),
-                health(&shop.warehouse_relay),
-            )
+                warehouse.database().operator_store(),
+                health(relay),
+            ),
+            None => Ok(c),
         })
         .and_then(|c| c.token_from_env())
         .and_then(|c| c.path_prefix("/outbox"))
@@ -184,7 +185,7 @@ pub async fn serve(shop: Arc<Shop>, listen: &str, metrics: PrometheusHandle) -> 
 }
 
 /// Ctrl-C, or SIGTERM on Unix.
-async fn shutdown_signal() {
+pub async fn shutdown_signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };

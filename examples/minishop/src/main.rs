@@ -19,11 +19,20 @@
 //! Each module runs its own relay. Integration messages travel through an
 //! in-process bus by default, or through RabbitMQ with `--amqp URL`.
 //!
+//! With RabbitMQ and PostgreSQL the modules can also run as separate
+//! processes: one `--role ordering` and any number of `--role warehouse
+//! --replica I --replicas N`, sharing the warehouse's schema and consuming
+//! `OrderPlaced` from key-partitioned queues ([`replica`]).
+//!
 //! ```text
 //! cargo run --release -p minishop -- --orders 200         # load run + summary
 //! cargo run --release -p minishop                         # HTTP API on 127.0.0.1:8080
 //! cargo run --release -p minishop -- --amqp amqp://guest:guest@127.0.0.1:5672/%2f --orders 200
 //! cargo run --release -p minishop -- --postgres postgres://postgres@127.0.0.1:5432/test --orders 200
+//! # several processes (each line in its own terminal):
+//! minishop --amqp URL --postgres URL --role warehouse --replica 0 --replicas 2
+//! minishop --amqp URL --postgres URL --role warehouse --replica 1 --replicas 2
+//! minishop --amqp URL --postgres URL --role ordering --orders 500
 //! ```
 
 mod amqp;
@@ -35,6 +44,7 @@ mod inbox;
 mod load;
 mod messages;
 mod ordering;
+mod replica;
 mod shop;
 mod warehouse;
 
@@ -43,12 +53,25 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
+use crate::amqp::AmqpNames;
 use crate::db::Location;
 use crate::fail::Fail;
 use crate::load::LoadOptions;
-use crate::shop::{Bus, Shop};
+use crate::shop::{Bus, Modules, Shop};
+
+/// Which modules a process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Role {
+    /// Both modules in this process (the default).
+    All,
+    /// Ordering only: places orders (--orders N or the HTTP API); the
+    /// warehouse runs in `--role warehouse` processes.
+    Ordering,
+    /// One warehouse replica (--replica I --replicas N), until Ctrl-C.
+    Warehouse,
+}
 
 /// MiniShop: the outbox-rs demo — two modules, two databases, one saga.
 ///
@@ -86,8 +109,37 @@ struct Args {
     /// With --amqp and/or --postgres: use queue and exchange names and
     /// PostgreSQL schemas unique to this run (deleted at exit), so that
     /// parallel runs do not share them.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "run")]
     isolated: bool,
+
+    /// With --amqp and/or --postgres: suffix the queue, exchange and
+    /// schema names with this id (letters and digits), so that the
+    /// processes of one run share them and other runs do not. Nothing is
+    /// deleted at exit.
+    #[arg(long, value_name = "ID", value_parser = parse_run_id)]
+    run: Option<String>,
+
+    /// Which modules this process runs: `all`, or — with --amqp and
+    /// --postgres — `ordering` or `warehouse` in processes of their own.
+    #[arg(long, value_enum, default_value = "all")]
+    role: Role,
+
+    /// With --role warehouse: this process's index, 0 to --replicas - 1.
+    /// Each replica needs its own (its relay's worker id is
+    /// `minishop-warehouse-<I>`).
+    #[arg(long, value_name = "I", default_value_t = 0)]
+    replica: u16,
+
+    /// With --role warehouse: how many warehouse processes share the
+    /// partitions.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    replicas: u16,
+
+    /// With --role ordering or warehouse: how many partition queues carry
+    /// `OrderPlaced` (the same in every process of a run; at least
+    /// --replicas, or some replicas only stand by).
+    #[arg(long, value_name = "P", default_value_t = 6)]
+    partitions: u16,
 
     /// Place N orders, wait until every saga ended, print a summary, exit.
     #[arg(long, value_name = "N")]
@@ -130,6 +182,92 @@ fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(secs))
 }
 
+fn parse_run_id(text: &str) -> Result<String, String> {
+    let ok = !text.is_empty()
+        && text.len() <= 24
+        && text
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+    if ok {
+        Ok(text.to_owned())
+    } else {
+        Err("must be 1 to 24 lower-case letters and digits".into())
+    }
+}
+
+/// Checks the flags of `--role`; returns the warehouse replica (index, count).
+fn check_role(args: &Args) -> Result<(u16, u16), Fail> {
+    let role = match args.role {
+        Role::All => {
+            for (set, flag) in [
+                (args.replica != 0, "--replica"),
+                (args.replicas != 1, "--replicas"),
+            ] {
+                if set {
+                    return Err(Fail(format!("{flag} needs --role warehouse")));
+                }
+            }
+            return Ok((0, 1));
+        }
+        Role::Ordering => "--role ordering",
+        Role::Warehouse => "--role warehouse",
+    };
+    if args.amqp.is_none() {
+        return Err(Fail(format!(
+            "{role} needs --amqp URL (or OUTBOX_AMQP_URL): the processes talk through RabbitMQ"
+        )));
+    }
+    if args.postgres.is_none() {
+        return Err(Fail(format!(
+            "{role} needs --postgres URL: the warehouse replicas share its `warehouse` schema"
+        )));
+    }
+    if args.isolated {
+        return Err(Fail(format!(
+            "{role} cannot use --isolated (its names would be this process's own): give every process of the run the same --run ID"
+        )));
+    }
+    if args.fresh {
+        return Err(Fail(format!(
+            "{role} cannot use --fresh (a process would drop the others' data): drop the schemas before starting them"
+        )));
+    }
+    if args.role == Role::Ordering && (args.replica != 0 || args.replicas != 1) {
+        return Err(Fail(
+            "--replica and --replicas need --role warehouse".into(),
+        ));
+    }
+    if args.role == Role::Warehouse && args.orders.is_some() {
+        return Err(Fail(
+            "--orders needs --role all or ordering (a warehouse process only answers)".into(),
+        ));
+    }
+    if args.replicas == 0 || args.replica >= args.replicas {
+        return Err(Fail(format!(
+            "--replica must be 0 to --replicas - 1 (got --replica {} --replicas {})",
+            args.replica, args.replicas
+        )));
+    }
+    if args.partitions == 0 || args.partitions > outbox::rabbitmq::MAX_PARTITIONS {
+        return Err(Fail(format!(
+            "--partitions must be 1 to {}",
+            outbox::rabbitmq::MAX_PARTITIONS
+        )));
+    }
+    Ok((args.replica, args.replicas))
+}
+
+/// The id in this run's names: its own with --isolated, --run's, or none.
+fn run_id(args: &Args) -> Option<String> {
+    if args.isolated {
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        // The tail of a v7 id is random; the head is the time.
+        Some(id[id.len() - 12..].to_owned())
+    } else {
+        args.run.clone()
+    }
+}
+
 fn parse_rate(text: &str) -> Result<f64, String> {
     match text.trim().parse::<f64>() {
         Ok(r) if r > 0.0 && r.is_finite() => Ok(r),
@@ -148,26 +286,47 @@ async fn run(args: Args) -> Result<(), Fail> {
     if args.rate.is_some() && args.orders.is_none() {
         return Err(Fail("--rate needs --orders".into()));
     }
+    let replica = check_role(&args)?;
+    let run = run_id(&args);
+    // With several processes, Warehouse consumes partition queues.
+    let partitions = (args.role != Role::All).then_some(args.partitions);
     // A malformed URL fails before anything is touched.
     let bus = match &args.amqp {
         None => Bus::Embedded,
         Some(url) => Bus::Amqp {
             redacted: amqp::check_url(url)?,
             url: url.clone(),
-            isolated: args.isolated,
+            names: Box::new(AmqpNames::new(run.as_deref(), args.isolated, partitions)?),
         },
     };
     let location = match &args.postgres {
         None => Location::Sqlite {
             dir: args.data_dir.clone(),
         },
-        Some(url) => Location::postgres(url, args.isolated)?,
+        Some(url) => Location::postgres(url, run.as_deref())?,
     };
     location.prepare(args.fresh).await?;
+    if args.role == Role::Warehouse {
+        let Bus::Amqp {
+            url,
+            redacted,
+            names,
+        } = &bus
+        else {
+            return Err(Fail("--role warehouse needs --amqp URL".into()));
+        };
+        // Before the relay and consumer start, so that they record into it.
+        let _metrics = http::install_metrics()?;
+        return replica::run(&location, url, redacted, names, replica).await;
+    }
+    let modules = match args.role {
+        Role::Ordering => Modules::OrderingOnly,
+        _ => Modules::Both,
+    };
     let isolated_pg = args.isolated && args.postgres.is_some();
     // Before the relays and consumers start, so that they record into it.
     let metrics = http::install_metrics()?;
-    let started = Shop::start(&location, bus).await;
+    let started = Shop::start(&location, bus, modules).await;
     let result = match started {
         Ok(shop) => {
             eprintln!(
@@ -212,8 +371,7 @@ async fn serve_or_load(
                 Ok(shop) => shop.shutdown().await,
                 Err(shop) => {
                     // A request still holds the shop: stop the relays anyway.
-                    shop.ordering_relay.shutdown().await;
-                    shop.warehouse_relay.shutdown().await;
+                    shop.stop_relays().await;
                 }
             }
             served?;

@@ -24,22 +24,32 @@ pub enum Bus {
         url: String,
         /// The URL as it may be shown.
         redacted: String,
-        /// Unique queue and exchange names for this run.
-        isolated: bool,
+        /// The names of the queues and exchanges.
+        names: Box<AmqpNames>,
     },
 }
 
-/// Both modules, running.
+/// Which modules this process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Modules {
+    /// Ordering and Warehouse (`--role all`).
+    Both,
+    /// Ordering only (`--role ordering`): Warehouse runs in other
+    /// processes (`--role warehouse`), reached through RabbitMQ.
+    OrderingOnly,
+}
+
+/// The shop's modules running in this process: Ordering, and Warehouse
+/// unless it runs in processes of its own.
 #[derive(Debug)]
 pub struct Shop {
     /// The Ordering module.
     pub ordering: Arc<Ordering>,
-    /// The Warehouse module.
-    pub warehouse: Arc<Warehouse>,
     /// Ordering's relay (`OrderPlaced` out, `OrderConfirmed` in-process).
     pub ordering_relay: RelayHandle,
-    /// Warehouse's relay (`StockReserved` / `StockRejected` out).
-    pub warehouse_relay: RelayHandle,
+    /// The Warehouse module and its relay (`StockReserved` /
+    /// `StockRejected` out), when it runs in this process.
+    pub warehouse: Option<(Arc<Warehouse>, RelayHandle)>,
     consumers: Vec<Consumer>,
     amqp: Option<(String, AmqpNames)>,
     /// `embedded` or `rabbitmq`.
@@ -48,50 +58,65 @@ pub struct Shop {
     pub bus_description: String,
 }
 
+/// A module's relay: `name` labels its metrics; `worker_id` must be
+/// stable across restarts (a restarted process takes back the leases of the
+/// one before it at once) and unique among the processes sharing its outbox.
+pub fn relay(store: Arc<dyn Store>, name: &str, worker_id: String) -> outbox::RelayBuilder {
+    // On PostgreSQL the store's listener LISTENs for other processes'
+    // commits; commits in this process wake it at once.
+    Relay::builder_shared(store)
+        .worker_id(worker_id)
+        // The `outbox.name` label of its metrics.
+        .name(name)
+        .batch_size(200)
+        // Commits in this process wake the relays at once; this is only
+        // the fallback for commits by other processes.
+        .poll_interval(Duration::from_millis(500))
+}
+
+fn spawn(b: outbox::RelayBuilder, name: &str) -> Result<RelayHandle, Fail> {
+    b.spawn().context(format!("starting the {name} relay"))
+}
+
 impl Shop {
-    /// Opens both modules' databases at `location` and starts relays (and
-    /// consumers).
-    pub async fn start(location: &Location, bus: Bus) -> Result<Shop, Fail> {
+    /// Opens the modules' databases at `location` and starts relays (and
+    /// consumers): both modules, or Ordering only (then `bus` must be
+    /// RabbitMQ).
+    pub async fn start(location: &Location, bus: Bus, modules: Modules) -> Result<Shop, Fail> {
         let ordering = Ordering::open(location).await?;
-        let warehouse = Warehouse::open(location).await?;
         let ordering_inbox: Arc<dyn InboxModule> = ordering.clone();
-        let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
-        let relay = |store: Arc<dyn Store>, name: &str| {
-            // On PostgreSQL the store's listener LISTENs for other
-            // processes' commits; commits in this process wake it at once.
-            Relay::builder_shared(store)
-                // Stable across restarts: a restarted MiniShop takes back
-                // the leases of the process before it at once.
-                .worker_id(format!("minishop-{name}"))
-                // The `outbox.name` label of its metrics.
-                .name(name)
-                .batch_size(200)
-                // Commits in this process wake the relays at once; this is
-                // only the fallback for commits by other processes.
-                .poll_interval(Duration::from_millis(500))
-        };
-        let spawn = |b: outbox::RelayBuilder, name: &str| {
-            b.spawn().context(format!("starting the {name} relay"))
-        };
         match bus {
+            Bus::Embedded if modules == Modules::OrderingOnly => Err(Fail(
+                "Ordering alone needs RabbitMQ to reach the warehouse processes".into(),
+            )),
             Bus::Embedded => {
+                let warehouse = Warehouse::open(location).await?;
+                let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
                 let bus: Arc<dyn outbox::Transport> =
                     Arc::new(EmbeddedBus::new(&[ordering_inbox, warehouse_inbox]));
                 let ordering_relay = spawn(
-                    relay(ordering.database().store(), "ordering")
-                        .transport_shared(Arc::clone(&bus))
-                        .dispatcher(ordering.handlers()),
+                    relay(
+                        ordering.database().store(),
+                        "ordering",
+                        "minishop-ordering".into(),
+                    )
+                    .transport_shared(Arc::clone(&bus))
+                    .dispatcher(ordering.handlers()),
                     "ordering",
                 )?;
                 let warehouse_relay = spawn(
-                    relay(warehouse.database().store(), "warehouse").transport_shared(bus),
+                    relay(
+                        warehouse.database().store(),
+                        "warehouse",
+                        "minishop-warehouse".into(),
+                    )
+                    .transport_shared(bus),
                     "warehouse",
                 )?;
                 Ok(Shop {
                     ordering,
-                    warehouse,
                     ordering_relay,
-                    warehouse_relay,
+                    warehouse: Some((warehouse, warehouse_relay)),
                     consumers: Vec::new(),
                     amqp: None,
                     bus_name: "embedded",
@@ -101,41 +126,65 @@ impl Shop {
             Bus::Amqp {
                 url,
                 redacted,
-                isolated,
+                names,
             } => {
-                let names = AmqpNames::new(isolated);
                 let ordering_out = amqp::transport(&url, &names, "ordering").await?;
                 ordering_out
                     .declare(&names.topology())
                     .await
                     .context("declaring the RabbitMQ topology")?;
-                let warehouse_out = amqp::transport(&url, &names, "warehouse").await?;
                 let mut consumers = Vec::new();
-                consumers
-                    .push(amqp::consumer(&url, &names.warehouse_queue, warehouse_inbox).await?);
+                let warehouse = match modules {
+                    Modules::Both => {
+                        let warehouse = Warehouse::open(location).await?;
+                        let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
+                        let warehouse_out = amqp::transport(&url, &names, "warehouse").await?;
+                        consumers.push(
+                            amqp::consumer(&url, &names.warehouse_queue, warehouse_inbox).await?,
+                        );
+                        let warehouse_relay = spawn(
+                            relay(
+                                warehouse.database().store(),
+                                "warehouse",
+                                "minishop-warehouse".into(),
+                            )
+                            .transport(warehouse_out),
+                            "warehouse",
+                        )?;
+                        Some((warehouse, warehouse_relay))
+                    }
+                    Modules::OrderingOnly => None,
+                };
                 consumers.push(amqp::consumer(&url, &names.ordering_queue, ordering_inbox).await?);
                 let ordering_relay = spawn(
-                    relay(ordering.database().store(), "ordering")
-                        .transport(ordering_out)
-                        .dispatcher(ordering.handlers()),
+                    relay(
+                        ordering.database().store(),
+                        "ordering",
+                        "minishop-ordering".into(),
+                    )
+                    .transport(ordering_out)
+                    .dispatcher(ordering.handlers()),
                     "ordering",
                 )?;
-                let warehouse_relay = spawn(
-                    relay(warehouse.database().store(), "warehouse").transport(warehouse_out),
-                    "warehouse",
-                )?;
                 let bus_description = format!(
-                    "RabbitMQ at {redacted} (exchange `{}`{})",
+                    "RabbitMQ at {redacted} (exchange `{}`{}{})",
                     names.exchange,
-                    if isolated { ", isolated" } else { "" }
+                    if names.isolated { ", isolated" } else { "" },
+                    match (&names.warehouse_partitions, modules) {
+                        (Some(p), Modules::OrderingOnly) => format!(
+                            "; the warehouse in its own processes, {} partitions `{}.*`",
+                            p.count(),
+                            p.prefix()
+                        ),
+                        _ => String::new(),
+                    }
                 );
                 Ok(Shop {
                     ordering,
-                    warehouse,
                     ordering_relay,
-                    warehouse_relay,
+                    warehouse,
                     consumers,
-                    amqp: Some((url, names)),
+                    amqp: Some((url, *names)),
                     bus_name: "rabbitmq",
                     bus_description,
                 })
@@ -143,9 +192,12 @@ impl Shop {
         }
     }
 
-    /// Both relays' health, and the consumers', worst wins.
+    /// The relays' health, and the consumers', worst wins.
     pub async fn health(&self) -> ShopHealth {
-        let (o, w) = tokio::join!(self.ordering_relay.health(), self.warehouse_relay.health());
+        let mut relays = vec![("ordering", self.ordering_relay.health().await)];
+        if let Some((_, relay)) = &self.warehouse {
+            relays.push(("warehouse", relay.health().await));
+        }
         let mut findings = Vec::new();
         for c in &self.consumers {
             if !c.is_running() {
@@ -160,29 +212,21 @@ impl Shop {
                 ));
             }
         }
-        combine(
-            self.bus_name,
-            vec![("ordering", o), ("warehouse", w)],
-            findings,
-        )
+        combine(self.bus_name, relays, findings)
     }
 
     /// What each module's outbox, relay and consumer are doing (for "what
     /// is stuck" after a timeout).
     pub async fn describe(&self) -> Vec<String> {
         let mut lines = Vec::new();
-        let parts: [(&str, Arc<dyn Store>, &RelayHandle); 2] = [
-            (
-                "ordering",
-                self.ordering.database().store(),
-                &self.ordering_relay,
-            ),
-            (
-                "warehouse",
-                self.warehouse.database().store(),
-                &self.warehouse_relay,
-            ),
-        ];
+        let mut parts: Vec<(&str, Arc<dyn Store>, &RelayHandle)> = vec![(
+            "ordering",
+            self.ordering.database().store(),
+            &self.ordering_relay,
+        )];
+        if let Some((warehouse, relay)) = &self.warehouse {
+            parts.push(("warehouse", warehouse.database().store(), relay));
+        }
         for (name, store, relay) in parts {
             let stats = match store.stats().await {
                 Ok(s) => format!(
@@ -216,19 +260,29 @@ impl Shop {
         lines
     }
 
-    /// Messages the relays delivered since they started (to the bus, the
-    /// broker or an in-process handler).
+    /// Messages this process's relays delivered since they started (to the
+    /// bus, the broker or an in-process handler).
     pub fn relayed(&self) -> u64 {
-        self.ordering_relay.totals().delivered + self.warehouse_relay.totals().delivered
+        self.ordering_relay.totals().delivered
+            + self
+                .warehouse
+                .as_ref()
+                .map_or(0, |(_, relay)| relay.totals().delivered)
+    }
+
+    /// Stops the relays without waiting for the shop to be released (a
+    /// request may still hold it).
+    pub async fn stop_relays(&self) {
+        self.ordering_relay.shutdown().await;
+        if let Some((_, relay)) = &self.warehouse {
+            relay.shutdown().await;
+        }
     }
 
     /// Stops the relays (in-flight work finishes, leases go back), then the
     /// consumers; deletes an isolated run's queues.
     pub async fn shutdown(self) {
-        tokio::join!(
-            self.ordering_relay.shutdown(),
-            self.warehouse_relay.shutdown()
-        );
+        self.stop_relays().await;
         for c in &self.consumers {
             c.shutdown().await;
         }
@@ -238,6 +292,8 @@ impl Shop {
             }
         }
         self.ordering.database().close().await;
-        self.warehouse.database().close().await;
+        if let Some((warehouse, _)) = &self.warehouse {
+            warehouse.database().close().await;
+        }
     }
 }

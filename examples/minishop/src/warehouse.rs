@@ -84,6 +84,14 @@ impl Warehouse {
     /// Reserves the order's stock if there is enough, and answers — the
     /// stock change, the reservation and the answer commit together with
     /// the inbox row.
+    ///
+    /// Right under concurrent receivers (several warehouse replicas): the
+    /// reservation is one conditional `UPDATE … WHERE available >= qty`,
+    /// never a read then a write. PostgreSQL makes a second `UPDATE` of the
+    /// row wait for the first transaction and then re-checks the condition
+    /// on the committed value; SQLite has one writer at a time. The
+    /// reservation's primary key (the order id) refuses a second
+    /// reservation of an order, and the inbox a second handling.
     async fn on_order_placed(&self, e: OrderPlaced, tx: &mut Conn<'_>) -> Result<(), HandlerError> {
         let qty = i64::from(e.qty);
         let reserved = with_conn!(tx, |c| sqlx::query(
