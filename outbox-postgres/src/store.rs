@@ -366,13 +366,16 @@ impl PgStore {
     }
 
     /// Pending and poisoned counts (their partial indexes) and the oldest
-    /// pending message: the first in `seq` order, one index step.
+    /// pending message: the first in `seq` order from the claim's floor.
     async fn backlog_in(
         &self,
         conn: &mut PgConnection,
     ) -> std::result::Result<Backlog, sqlx::Error> {
+        let floor = self.inner.floor.current();
         let oldest: Option<i64> =
             sqlx::query_scalar(AssertSqlSafe(self.inner.sql.oldest_pending.as_str()))
+                .bind(floor.seq)
+                .bind(floor.generation)
                 .fetch_optional(&mut *conn)
                 .await?;
         Ok(Backlog::new(

@@ -532,6 +532,48 @@ async fn the_claim_walks_the_pending_index_even_without_statistics() {
     assert_eq!(f.pg().claim(&claim(50)).await.unwrap().len(), 50);
 }
 
+/// A completion looks its messages up by id, even in a generic plan whose
+/// statistics say few messages are pending: with `state = 'pending'` in its
+/// condition the plan walked the whole pending index instead (700 ms a
+/// completion under a long transaction, in the bench).
+#[tokio::test]
+async fn a_completion_looks_its_messages_up_by_id_in_a_generic_plan() {
+    let f = PgUnderTest::fresh(None).await;
+    // 100,000 processed messages (written directly, so that the pending
+    // index never held them) and 200 pending ones.
+    let mut conn = f.pool().acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"INSERT INTO "{}".test_outbox (id, kind, message_type, payload, content_type,
+             created_at, available_at, state, processed_at)
+           SELECT gen_random_uuid(), 'domain', 'Test', '\x00', 'text/plain', 0, 0, 'processed', 1
+           FROM generate_series(1, 100000)"#,
+        f.schema()
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    f.enqueue((0..200).map(msg).collect()).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"ANALYZE "{}".test_outbox;
+           SET plan_cache_mode = force_generic_plan;
+           PREPARE complete_plan(bigint, uuid[]) AS {}"#,
+        f.schema(),
+        f.pg().complete_statement()
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN EXECUTE complete_plan(1, ARRAY['00000000-0000-0000-0000-000000000000'::uuid])",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("test_outbox_id_key"), "{plan}");
+    assert!(!plan.contains("pending_idx"), "{plan}");
+}
+
 /// With `announce_commits(false)` an enqueue is neither watched nor
 /// notified: relays find it by polling.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
