@@ -103,6 +103,16 @@ impl ClaimFloor {
         })
     }
 
+    /// Whether a step is due now (and none is being taken): a cheap test,
+    /// so that a claim spawns a step only when there is one to take.
+    pub(crate) fn due(&self) -> bool {
+        if self.tending.try_lock().is_err() {
+            return false;
+        }
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        !state.disabled && state.next_step.is_none_or(|at| Instant::now() >= at)
+    }
+
     /// One step, if one is due and no other relay is taking it: checks the
     /// waiting candidate (and raises the floor when its transactions have
     /// ended), then takes the next candidate. A failed step changes

@@ -444,11 +444,15 @@ impl Sql {
                    locked_by = NULL, locked_until = NULL WHERE id = $3"
             ),
             notify: "SELECT pg_notify($1, '')".to_owned(),
+            // The transaction id only has to be taken, not kept: the
+            // statement's own transaction commits without waiting for its
+            // WAL flush (`set_config(…, true)` is local to it).
             floor_candidate: format!(
                 "SELECT {retries_generation},
                         CASE WHEN s.is_called THEN s.last_value ELSE s.last_value - 1 END,
                         pg_current_xact_id()::text,
-                        (SELECT seqcache FROM pg_sequence WHERE seqrelid = '{seqs}'::regclass)
+                        (SELECT seqcache FROM pg_sequence WHERE seqrelid = '{seqs}'::regclass),
+                        set_config('synchronous_commit', 'off', true)
                  FROM {retries} AS r, {seqs} AS s"
             ),
             floor_check: format!(

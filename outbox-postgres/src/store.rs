@@ -388,12 +388,19 @@ impl PgStore {
 
 impl PgStore {
     /// Moves the claim's floor one step when one is due (src/floor.rs),
-    /// after a claim's transaction has ended.
-    async fn tend_floor(&self) {
-        self.inner
-            .floor
-            .tend(&self.inner.pool, &self.inner.sql)
-            .await;
+    /// after a claim's transaction has ended — in a task of its own, so that
+    /// the claim's messages never wait for the floor's two statements.
+    fn tend_floor(&self) {
+        if self.inner.floor.due() {
+            let store = self.clone();
+            tokio::spawn(async move {
+                store
+                    .inner
+                    .floor
+                    .tend(&store.inner.pool, &store.inner.sql)
+                    .await;
+            });
+        }
     }
 }
 
@@ -411,7 +418,7 @@ impl Store for PgStore {
         let mut tx = self.begin_locked(what).await?;
         let result = self.claim_in(&mut tx, request).await;
         let claimed = self.finish(tx, result, what).await?;
-        self.tend_floor().await;
+        self.tend_floor();
         Ok(claimed)
     }
 
@@ -445,7 +452,7 @@ impl Store for PgStore {
             Err(e) => Err(e),
         };
         let claimed = self.finish(tx, result, what).await?;
-        self.tend_floor().await;
+        self.tend_floor();
         Ok(claimed)
     }
 
