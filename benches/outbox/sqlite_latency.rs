@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use outbox::{Handlers, Message, Relay};
+use outbox::{Handlers, Message, Relay, RelayHandle};
 use outbox_sqlite::SqliteStore;
 use outbox_sqlite::rusqlite::TransactionBehavior;
 use outbox_sqlite::sqlx;
@@ -87,6 +87,47 @@ impl Times {
             (base.elapsed().as_micros() as u64).max(1),
             Ordering::Release,
         );
+    }
+
+    /// Handlers that stamp each bench message's `handled` time (the
+    /// message's index is its payload's first 8 bytes).
+    pub fn recording_handlers(self: &Arc<Self>, base: Instant) -> Handlers {
+        let t = Arc::clone(self);
+        Handlers::new().on_message("Bench", move |m: &Message| {
+            let i = usize::from_le_bytes(m.payload[..8].try_into().unwrap());
+            Times::stamp(&t.handled, i, base);
+            async { Ok::<_, std::io::Error>(()) }
+        })
+    }
+
+    /// Waits (at most 30 s) until the relay handled every message, then
+    /// shuts it down; nothing without a relay.
+    pub async fn settle(&self, relay: Option<RelayHandle>) {
+        if let Some(relay) = relay {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            let all = || self.handled.iter().all(|h| h.load(Ordering::Acquire) > 0);
+            while !all() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            relay.shutdown().await;
+        }
+    }
+
+    /// The just-before-COMMIT times, as loaded now.
+    pub fn committing_times(&self) -> Vec<u64> {
+        self.committing
+            .iter()
+            .map(|t| t.load(Ordering::Acquire))
+            .collect()
+    }
+
+    /// The run's histograms, given [`committing_times`](Self::committing_times).
+    pub fn run(&self, committing: &[u64]) -> Run {
+        Run {
+            commit: self.hist(&self.committed),
+            handled: self.hist(&self.handled),
+            commit_to_handled: self.between(committing, &self.handled),
+        }
     }
 }
 
@@ -205,15 +246,8 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
     // The first message is scheduled 50 ms out, after the relay has started.
     let times = Arc::new(Times::new(count, 1e6 / f64::from(rate), 50_000));
     let relay = if relay {
-        let t = times.clone();
-        let handlers = Handlers::new().on_message("Bench", move |m: &Message| {
-            let now = base.elapsed().as_micros() as u64;
-            let i = usize::from_le_bytes(m.payload[..8].try_into().unwrap());
-            t.handled[i].store(now.max(1), Ordering::Release);
-            async { Ok::<_, std::io::Error>(()) }
-        });
         let relay = Relay::builder(store.clone())
-            .dispatcher(handlers)
+            .dispatcher(times.recording_handlers(base))
             .spawn()
             .unwrap();
         relay.until_idle().await.unwrap();
@@ -226,20 +260,9 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
     tokio::task::spawn_blocking(move || producer.join().unwrap())
         .await
         .unwrap();
-    if let Some(relay) = relay {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let all = || times.handled.iter().all(|h| h.load(Ordering::Acquire) > 0);
-        while !all() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        relay.shutdown().await;
-    }
+    times.settle(relay).await;
     let wal = sampler.map(WalSampler::stop);
-    let committing: Vec<u64> = times
-        .committing
-        .iter()
-        .map(|t| t.load(Ordering::Acquire))
-        .collect();
+    let committing = times.committing_times();
     if let Some(wal) = wal {
         let name = format!(
             "latency-{}-{rate}-{}-{round}",
@@ -261,11 +284,7 @@ pub async fn open_loop(driver: Driver, rate: u32, count: usize, relay: bool, rou
         }
         .write(&name);
     }
-    Run {
-        commit: times.hist(&times.committed),
-        handled: times.hist(&times.handled),
-        commit_to_handled: times.between(&committing, &times.handled),
-    }
+    times.run(&committing)
 }
 
 fn relay_ran(times: &Times) -> bool {

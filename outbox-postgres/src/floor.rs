@@ -68,6 +68,12 @@ struct State {
     disabled: bool,
 }
 
+impl State {
+    fn step_due(&self, now: Instant) -> bool {
+        !self.disabled && self.next_step.is_none_or(|at| now >= at)
+    }
+}
+
 /// A floor and the retry generation under which it holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Floor {
@@ -110,7 +116,7 @@ impl ClaimFloor {
             return false;
         }
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        !state.disabled && state.next_step.is_none_or(|at| Instant::now() >= at)
+        state.step_due(Instant::now())
     }
 
     /// One step, if one is due and no other relay is taking it: checks the
@@ -124,7 +130,7 @@ impl ClaimFloor {
         let (candidate, lower) = {
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let now = Instant::now();
-            if state.disabled || state.next_step.is_some_and(|at| now < at) {
+            if !state.step_due(now) {
                 return;
             }
             state.next_step = Some(now + self.step);

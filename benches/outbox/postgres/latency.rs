@@ -25,14 +25,10 @@ async fn open_loop(rate: u32, count: usize, relay: Option<Placement>, url: &str)
                 Placement::SameStore => f.pg().clone(),
                 Placement::OtherProcess => relay_store(&f, url, 4).await,
             };
-            let t = times.clone();
-            let handlers = Handlers::new().on_message("Bench", move |m: &Message| {
-                let now = base.elapsed().as_micros() as u64;
-                let i = usize::from_le_bytes(m.payload[..8].try_into().unwrap());
-                t.handled[i].store(now.max(1), Ordering::Release);
-                async { Ok::<_, std::io::Error>(()) }
-            });
-            let relay = Relay::builder(store).dispatcher(handlers).spawn().unwrap();
+            let relay = Relay::builder(store)
+                .dispatcher(times.recording_handlers(base))
+                .spawn()
+                .unwrap();
             relay.until_idle().await.unwrap();
             // Its LISTEN connection is up before the first message.
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -61,26 +57,8 @@ async fn open_loop(rate: u32, count: usize, relay: Option<Placement>, url: &str)
     tokio::task::spawn_blocking(move || producer.join().unwrap())
         .await
         .unwrap();
-    if let Some(relay) = relay {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let all = || times.handled.iter().all(|h| h.load(Ordering::Acquire) > 0);
-        while !all() && Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        relay.shutdown().await;
-    }
-    let committing: Vec<u64> = times
-        .committing
-        .iter()
-        .map(|t| t.load(Ordering::Acquire))
-        .collect();
-    let mut run = Run::new();
-    run.add(&Run {
-        commit: times.hist(&times.committed),
-        handled: times.hist(&times.handled),
-        commit_to_handled: times.between(&committing, &times.handled),
-    });
-    run
+    times.settle(relay).await;
+    times.run(&times.committing_times())
 }
 
 pub(super) async fn latency(quick: bool, url: &str) -> Vec<Figure> {
