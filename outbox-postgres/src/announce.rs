@@ -22,6 +22,11 @@ use tokio::time::Instant;
 
 use crate::schema::Sql;
 
+/// How long after an enqueue its transaction is first looked at. The
+/// application commits right after its last statement (one round trip, a
+/// fraction of a millisecond on a local server): a look at once would
+/// find it still open and only cost a query.
+const FIRST_LOOK: Duration = Duration::from_micros(200);
 /// Least time between the starts of two looks. Enqueues arriving
 /// meanwhile wait for the next look, which takes them all in one query: a
 /// look per enqueue, back to back, cost the writers' throughput on a small
@@ -77,7 +82,7 @@ struct Inner {
 #[derive(Default)]
 struct State {
     /// Open transactions that enqueued, and when each was first seen.
-    watching: HashMap<u64, Instant>,
+    watching: HashMap<u64, Watched>,
     /// A commit was announced locally; other processes are still to hear.
     notify_due: bool,
 }
@@ -123,7 +128,10 @@ impl Announcer {
         lock(&self.inner.state)
             .watching
             .entry(xid)
-            .or_insert_with(Instant::now);
+            .or_insert_with(|| Watched {
+                seen: Instant::now(),
+                looked: false,
+            });
         self.kick();
     }
 
@@ -154,44 +162,67 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The watcher: looks at the watched transactions, announces commits, sends
-/// the debounced `NOTIFY`; ends when its store is gone.
+/// A transaction that enqueued and has not been seen to end.
+#[derive(Debug, Clone, Copy)]
+struct Watched {
+    /// When its first enqueue was reported.
+    seen: Instant,
+    /// Whether a look has found it still open.
+    looked: bool,
+}
+
+impl Watched {
+    /// When this transaction is next worth a look, the last look having
+    /// started at `last_look`: [`FIRST_LOOK`] after its enqueue at first,
+    /// then more slowly as it stays open (a quarter of its age, between
+    /// [`LOOK_GAP`] and [`SLOWEST_LOOK`]).
+    fn next_look(&self, last_look: Option<Instant>) -> Instant {
+        match (self.looked, last_look) {
+            (true, Some(last)) => last + ((last - self.seen) / 4).clamp(LOOK_GAP, SLOWEST_LOOK),
+            _ => self.seen + FIRST_LOOK,
+        }
+    }
+}
+
+/// The watcher: looks at the watched transactions, announces commits (the
+/// `NOTIFY` rides with the look that found them, when the debounce allows,
+/// else it follows on its own); ends when its store is gone.
 async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
     let mut last_notify: Option<Instant> = None;
     let mut last_look: Option<Instant> = None;
     loop {
         let Some(inner) = weak.upgrade() else { return };
-        let watching: Vec<(u64, Instant)> = lock(&inner.state)
-            .watching
-            .iter()
-            .map(|(x, t)| (*x, *t))
-            .collect();
-        let look_at = last_look.map(|t| t + LOOK_GAP);
-        let may_look = look_at.is_none_or(|at| at <= Instant::now());
-        if !watching.is_empty() && may_look {
-            last_look = Some(Instant::now());
-            look(&inner, &watching).await;
-        }
         let now = Instant::now();
-        let (youngest, due) = {
+        let notify_allowed = |now: Instant| last_notify.map_or(now, |t| t + inner.debounce);
+        // The soonest a look is due, never sooner than LOOK_GAP after the
+        // last one.
+        let look_at = {
             let state = lock(&inner.state);
-            (state.watching.values().max().copied(), state.notify_due)
+            state
+                .watching
+                .values()
+                .map(|w| w.next_look(last_look))
+                .min()
+                .map(|at| last_look.map_or(at, |last| at.max(last + LOOK_GAP)))
         };
-        let mut next: Option<Instant> = youngest.map(|seen| {
-            // Look again soon after a recent enqueue (its commit usually
-            // follows at once), more slowly as the transaction stays open.
-            let at = now + ((now - seen) / 4).clamp(Duration::from_millis(1), SLOWEST_LOOK);
-            look_at.map_or(at, |gap| at.max(gap))
-        });
-        if due {
-            let allowed = last_notify.map_or(now, |t| t + inner.debounce);
+        if look_at.is_some_and(|at| at <= now) {
+            last_look = Some(now);
+            let notify = notify_allowed(now) <= now;
+            if look(&inner, notify).await {
+                last_notify = Some(now);
+            }
+            continue;
+        }
+        let mut next = look_at;
+        if lock(&inner.state).notify_due {
+            let allowed = notify_allowed(now);
             if allowed <= now {
                 lock(&inner.state).notify_due = false;
                 last_notify = Some(now);
                 send_notify(&inner).await;
-            } else {
-                next = Some(next.map_or(allowed, |n| n.min(allowed)));
+                continue;
             }
+            next = Some(next.map_or(allowed, |n| n.min(allowed)));
         }
         drop(inner);
         let sleep = match next {
@@ -205,44 +236,67 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
     }
 }
 
-/// One look at the watched transactions' status.
-async fn look(inner: &Inner, watching: &[(u64, Instant)]) {
-    let ids: Vec<String> = watching.iter().map(|(x, _)| x.to_string()).collect();
-    let rows: Vec<PgRow> =
-        match sqlx::query("SELECT x, pg_xact_status(x::xid8) FROM unnest($1::text[]) AS x")
-            .bind(&ids)
-            .fetch_all(&inner.pool)
-            .await
-        {
-            Ok(rows) => rows,
-            Err(e) => {
-                // Cannot tell: announce them as if committed (a wake-up too
-                // many costs one empty claim) and stop watching them; a
-                // commit that comes later is found by the relays' polling.
-                tracing::debug!(error = %e, table = %inner.sql.names.outbox_display(),
-                    "could not look at enqueuing transactions; announcing them");
-                {
-                    let mut state = lock(&inner.state);
-                    for (xid, _) in watching {
-                        state.watching.remove(xid);
+/// One look at every watched transaction's status, in one statement that
+/// also sends the `NOTIFY` when `notify` and any has committed (the
+/// notification goes out as the look's own transaction commits, right
+/// after the look). A transaction counts as committed once a fresh
+/// snapshot sees it (`pg_visible_in_snapshot`): the commit log says
+/// "committed" a moment before the transaction leaves the list of running
+/// ones, and a relay woken in that moment would claim without seeing its
+/// messages. Returns whether the `NOTIFY` was sent.
+async fn look(inner: &Inner, notify: bool) -> bool {
+    let watching: Vec<String> = lock(&inner.state)
+        .watching
+        .keys()
+        .map(u64::to_string)
+        .collect();
+    if watching.is_empty() {
+        return false;
+    }
+    let rows: Vec<PgRow> = match sqlx::query(AssertSqlSafe(inner.sql.look.as_str()))
+        .bind(&watching)
+        .bind(notify)
+        .bind(&inner.channel)
+        .fetch_all(&inner.pool)
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            // Cannot tell: announce them as if committed (a wake-up too
+            // many costs one empty claim) and stop watching them; a
+            // commit that comes later is found by the relays' polling.
+            tracing::debug!(error = %e, table = %inner.sql.names.outbox_display(),
+                "could not look at enqueuing transactions; announcing them");
+            {
+                let mut state = lock(&inner.state);
+                for xid in &watching {
+                    if let Ok(xid) = xid.parse::<u64>() {
+                        state.watching.remove(&xid);
                     }
-                    state.notify_due = true;
                 }
-                inner.local.notify();
-                return;
+                state.notify_due = true;
             }
-        };
+            inner.local.notify();
+            return false;
+        }
+    };
     let mut any_committed = false;
+    let mut notified = false;
     {
         let mut state = lock(&inner.state);
         for row in rows {
             let xid: String = row.try_get(0).unwrap_or_default();
             let status: Option<String> = row.try_get(1).unwrap_or(None);
+            notified |= row.try_get::<bool, _>(2).unwrap_or(false);
             let Ok(xid) = xid.parse::<u64>() else {
                 continue;
             };
             match status.as_deref() {
-                Some("in progress") => {}
+                Some("in progress") => {
+                    if let Some(w) = state.watching.get_mut(&xid) {
+                        w.looked = true;
+                    }
+                }
                 Some("committed") => {
                     any_committed = true;
                     state.watching.remove(&xid);
@@ -253,7 +307,7 @@ async fn look(inner: &Inner, watching: &[(u64, Instant)]) {
                 }
             }
         }
-        if any_committed {
+        if any_committed && !notified {
             state.notify_due = true;
         }
     }
@@ -261,12 +315,13 @@ async fn look(inner: &Inner, watching: &[(u64, Instant)]) {
         inner.local.notify();
     }
     forget_old(inner);
+    notified
 }
 
 fn forget_old(inner: &Inner) {
     lock(&inner.state)
         .watching
-        .retain(|_, seen| seen.elapsed() < GIVE_UP_AFTER);
+        .retain(|_, w| w.seen.elapsed() < GIVE_UP_AFTER);
 }
 
 /// `pg_notify` on its own connection, in its own transaction (one

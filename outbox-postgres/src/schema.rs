@@ -115,13 +115,6 @@ impl Names {
         }
     }
 
-    /// The advisory lock every claim of this table holds for its short
-    /// transaction (and every statement that could make a claimable
-    /// message unclaimable); see `docs/decisions.md`.
-    pub(crate) fn claim_lock(&self) -> i64 {
-        fnv1a(&format!("outbox-rs claim {}.{}", self.schema, self.outbox)) as i64
-    }
-
     /// The seed of the per-key advisory locks enqueues take.
     pub(crate) fn key_lock_seed(&self) -> i64 {
         fnv1a(&format!("outbox-rs key {}.{}", self.schema, self.outbox)) as i64
@@ -254,9 +247,8 @@ impl TableKind {
 #[derive(Debug)]
 pub(crate) struct Sql {
     pub names: Names,
-    pub claim_lock: i64,
-    /// `BEGIN` and the claim lock, in one round trip.
-    pub begin_locked: String,
+    /// `BEGIN` and the claim's settings, in one round trip.
+    pub begin_claim: String,
     pub insert: String,
     pub insert_keyed: String,
     pub insert_many: String,
@@ -277,6 +269,11 @@ pub(crate) struct Sql {
     pub retry: String,
     pub discard: String,
     pub notify: String,
+    /// The commit watcher's look (src/announce.rs): `$1` the watched
+    /// transaction ids (text), `$2` whether to `NOTIFY` channel `$3` when
+    /// any has committed; rows: id, status (`committed` only once a fresh
+    /// snapshot sees it), whether the `NOTIFY` was sent.
+    pub look: String,
     /// The floor's candidate (src/floor.rs): retry generation, last `seq`
     /// drawn, a fresh transaction id, the `seq` sequence's cache size.
     pub floor_candidate: String,
@@ -294,6 +291,17 @@ pub(crate) struct Sql {
 /// (700 ms per completion in the bench, against 0.1 ms).
 const PENDING_BY_ID: &str = "state NOT IN ('processed', 'poisoned')";
 
+/// A condition, true, whose evaluation sets `synchronous_commit = off` for
+/// the rest of the transaction. It refers to no row, so PostgreSQL
+/// evaluates it once, before the statement reads anything (a one-time
+/// filter), also when no row matches. A statement of the relay's
+/// bookkeeping that carries it commits without waiting for a WAL flush,
+/// also when it runs alone (its own transaction). A server crash may then
+/// take back its effect — a message completed, purged — if it came in the
+/// last few hundred milliseconds; the message is delivered again, or
+/// purged again (docs/rules.md, "Server crash").
+const NO_FLUSH: &str = "(SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL";
+
 /// The values an insert binds, in this order: `$1` id, `$2` kind, `$3`
 /// message_type, `$4` key, `$5` exchange, `$6` routing_key, `$7` payload,
 /// `$8` content_type, `$9` headers (JSON text), `$10` trace_parent, `$11`
@@ -302,20 +310,27 @@ const INSERT_COLUMNS: &str = "id, kind, message_type, key, exchange, routing_key
      content_type, headers, trace_parent, created_at, available_at";
 
 impl Sql {
-    pub(crate) fn new(names: Names) -> Sql {
+    /// The statements of `names`; with `durable_bookkeeping` the relay's
+    /// own commits wait for a WAL flush like any other (see
+    /// [`NO_FLUSH`]).
+    pub(crate) fn new(names: Names, durable_bookkeeping: bool) -> Sql {
         let s = &names.schema;
         let t = format!(r#""{s}"."{}""#, names.outbox);
         let i = format!(r#""{s}"."{}""#, names.inbox);
-        let claim_lock = names.claim_lock();
         let seed = names.key_lock_seed();
         let values = "$1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12";
         let (retries, seqs) = sequences(&names);
         let retries_generation = RETRIES_GENERATION;
+        let (no_flush, set_no_flush) = if durable_bookkeeping {
+            ("true", "")
+        } else {
+            (NO_FLUSH, "SET LOCAL synchronous_commit = off; ")
+        };
         Sql {
-            claim_lock,
-            // A claim waits at most 10 s for the lock (then fails, and the
-            // relay tries again), and a holder whose client went silent
-            // mid-transaction is cut off after 10 s, releasing it.
+            // A claim waits at most 10 s for a lock (it takes none but the
+            // rows it skips to when they are free), and a claim whose
+            // client went silent mid-transaction is cut off after 10 s,
+            // releasing its rows.
             //
             // The claim must walk the pending index in `seq` order and stop
             // at its LIMIT. With statistics that lag the table (a backlog
@@ -325,11 +340,16 @@ impl Sql {
             // them: 2 s per claim at 100k pending instead of 0.5 ms
             // (docs/decisions.md). Neither a sort nor a bitmap scan ever
             // serves it, so both are off for these short transactions.
-            begin_locked: format!(
+            //
+            // The relay's own bookkeeping never waits for a WAL flush
+            // (`synchronous_commit = off`, for these transactions only):
+            // what a server crash can take back of it is a suffix of the
+            // last few hundred milliseconds, which costs redeliveries and
+            // nothing else (docs/rules.md, "Server crash").
+            begin_claim: format!(
                 "BEGIN; SET LOCAL lock_timeout = '10s'; \
                  SET LOCAL idle_in_transaction_session_timeout = '10s'; \
-                 SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off; \
-                 SELECT pg_advisory_xact_lock({claim_lock})"
+                 {set_no_flush}SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off"
             ),
             // Every insert takes its transaction's id before it draws a
             // `seq` (the materialized `first` is evaluated before the row is
@@ -390,31 +410,39 @@ impl Sql {
             unlock_seq: format!(
                 "UPDATE {t} SET locked_by = NULL, locked_until = NULL WHERE seq = $1"
             ),
+            // Runs on its own (its own transaction) or inside a claim's:
+            // either way its commit does not wait for a flush.
             complete: format!(
-                "UPDATE {t} SET state = 'processed', processed_at = $1, locked_by = NULL, \
-                 locked_until = NULL WHERE id = ANY($2) AND {PENDING_BY_ID}"
+                "UPDATE {t} SET state = 'processed', processed_at = $1, \
+                 locked_by = NULL, locked_until = NULL \
+                 WHERE id = ANY($2) AND {PENDING_BY_ID} AND {no_flush}"
             ),
+            // Failures and releases are single statements, in
+            // transactions of their own, taking no lock beyond their rows:
+            // a claim running beside one judges the message by its own
+            // snapshot, leased or not yet claimable, and either way takes
+            // none of its key's later messages (see `claim_sql`).
             fail: format!(
                 "UPDATE {t} SET attempts = attempts + 1, last_error = $1,
                    state = CASE WHEN attempts + 1 >= $2 THEN 'poisoned' ELSE 'pending' END,
                    available_at = CASE WHEN attempts + 1 >= $2 THEN available_at ELSE $3 END,
                    locked_by = NULL, locked_until = NULL
-                 WHERE id = $4 AND {PENDING_BY_ID} AND locked_by = $5
+                 WHERE id = $4 AND {PENDING_BY_ID} AND locked_by = $5 AND {no_flush}
                  RETURNING attempts, state"
             ),
             release: format!(
-                "UPDATE {t} SET locked_by = NULL, locked_until = NULL, available_at = $1,
-                   last_error = COALESCE($2, last_error)
-                 WHERE id = ANY($3) AND {PENDING_BY_ID} AND locked_by = $4"
+                "UPDATE {t} SET locked_by = NULL, locked_until = NULL,
+                   available_at = $1, last_error = COALESCE($2, last_error)
+                 WHERE id = ANY($3) AND {PENDING_BY_ID} AND locked_by = $4 AND {no_flush}"
             ),
             release_worker: format!(
                 "UPDATE {t} SET locked_by = NULL, locked_until = NULL
-                 WHERE state = 'pending' AND locked_by = $1"
+                 WHERE state = 'pending' AND locked_by = $1 AND {no_flush}"
             ),
             purge: format!(
                 "DELETE FROM {t} WHERE seq IN (
                    SELECT seq FROM {t} WHERE state = 'processed' AND processed_at < $1
-                   ORDER BY processed_at LIMIT $2)"
+                   ORDER BY processed_at LIMIT $2) AND {no_flush}"
             ),
             count_state: format!("SELECT count(*) FROM {t} WHERE state = $1"),
             // From the claim's floor (`$1`, `$2`), as the claim walks.
@@ -444,6 +472,17 @@ impl Sql {
                    locked_by = NULL, locked_until = NULL WHERE id = $3"
             ),
             notify: "SELECT pg_notify($1, '')".to_owned(),
+            look: "WITH s AS MATERIALIZED (
+                     SELECT x, CASE
+                       WHEN st = 'committed'
+                        AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
+                       THEN 'in progress' ELSE st END AS status
+                     FROM unnest($1::text[]) AS x,
+                          LATERAL pg_xact_status(x::xid8) AS st),
+                   n AS MATERIALIZED (
+                     SELECT pg_notify($3, '') FROM s WHERE $2 AND status = 'committed' LIMIT 1)
+                   SELECT x, status, (SELECT count(*) FROM n) > 0 FROM s"
+                .to_owned(),
             // Taking a transaction id writes no WAL, so this statement's
             // commit waits for no flush (300 of them: one
             // `pg_stat_wal.wal_sync`).
@@ -485,9 +524,9 @@ fn sequences(names: &Names) -> (String, String) {
 
 /// The claim statement (`$1` worker, `$2` locked_until, `$3` now, `$4` kind
 /// or NULL, `$5` limit, `$6` the floor's `seq`, `$7` the retry generation
-/// it holds under). It runs in a transaction that holds the table's claim
-/// lock (taken by an earlier statement, so that this statement's snapshot
-/// sees every claim before it).
+/// it holds under). It runs in a transaction of its own (opened by
+/// `begin_claim`) beside any number of other claims, completions,
+/// failures and releases: it takes no lock but the rows it leases.
 ///
 /// It walks the pending index from the floor (src/floor.rs) — from the
 /// start when the retry generation moved since the floor was set — so a
@@ -508,14 +547,23 @@ fn sequences(names: &Names) -> (String, String) {
 ///   written past it (raw SQL), at the cost of one index step, where
 ///   looking at every later message would cost the key's whole backlog.
 ///
-/// `FOR UPDATE SKIP LOCKED` keeps the claim from waiting on rows a
-/// completion is writing; the outer `WHERE` repeats the lease condition.
+/// `FOR UPDATE SKIP LOCKED` keeps the claim from waiting on rows another
+/// claim or a completion is writing, and re-checks each row it locks on
+/// the row's newest version. The snapshot the tests above judge earlier
+/// messages by may be older than another claim running beside this one:
+/// that claim may hold (or have just leased) a key's first message, which
+/// this statement then skips while its snapshot still shows it claimable.
+/// So a keyed message is leased only if **every** earlier pending message
+/// of its key is among the rows this statement locked (the final `NOT
+/// EXISTS`): a key's messages are leased by one claim, from the front, or
+/// not at all (docs/decisions.md, "PostgreSQL: claims run side by side").
+/// The outer `WHERE` repeats the lease condition.
 pub(crate) fn claim_sql(names: &Names) -> String {
     let t = format!(r#""{}"."{}""#, names.schema, names.outbox);
     format!(
         "WITH {floor},
          picked AS (
-           SELECT m.seq FROM {t} AS m
+           SELECT m.seq, m.key FROM {t} AS m
            WHERE m.state = 'pending'
              AND m.seq >= (SELECT seq FROM floor)
              AND m.available_at <= $3
@@ -543,6 +591,12 @@ pub(crate) fn claim_sql(names: &Names) -> String {
          FROM picked
          WHERE u.seq = picked.seq AND u.state = 'pending'
            AND (u.locked_until IS NULL OR u.locked_until <= $3)
+           AND (picked.key IS NULL OR NOT EXISTS (
+             SELECT 1 FROM {t} AS e
+             WHERE e.key = picked.key AND e.seq < picked.seq
+               AND e.seq >= (SELECT seq FROM floor)
+               AND e.state <> 'processed' AND e.state = 'pending'
+               AND e.seq NOT IN (SELECT seq FROM picked)))
          RETURNING {}",
         COLUMNS
             .split(", ")
@@ -603,9 +657,8 @@ mod tests {
     fn lock_keys_and_channels_are_stable_and_distinct() {
         let a = Names::new("public", "outbox", "outbox_inbox").unwrap();
         let b = Names::new("shop", "outbox", "outbox_inbox").unwrap();
-        assert_eq!(a.claim_lock(), a.clone().claim_lock());
-        assert_ne!(a.claim_lock(), b.claim_lock());
-        assert_ne!(a.claim_lock(), a.key_lock_seed());
+        assert_eq!(a.key_lock_seed(), a.clone().key_lock_seed());
+        assert_ne!(a.key_lock_seed(), b.key_lock_seed());
         assert_eq!(a.channel(), "outbox.public.outbox");
         let long = Names::new(&"s".repeat(40), &"t".repeat(40), "i").unwrap();
         assert!(long.channel().len() <= 63, "{}", long.channel());

@@ -24,10 +24,10 @@ use crate::schema::{Names, Sql};
 ///
 /// Any number of relays, in any processes, may share one table. Each claim,
 /// completion or failure is one short transaction on a pooled connection;
-/// nothing is held across a handler or a send. Claims of one table take
-/// turns on a transaction-level advisory lock and lease what they take, so
-/// a message is never claimed twice while its lease holds and a key's
-/// messages go out in commit order (see the crate docs). Cloning shares
+/// nothing is held across a handler or a send. Claims of one table run side
+/// by side, each leasing what it takes, so a message is never claimed
+/// twice while its lease holds and a key's messages go out in commit order
+/// (see the crate docs). Cloning shares
 /// the pool. Applications enqueue through [`outbox`](PgStore::outbox).
 #[derive(Clone)]
 pub struct PgStore {
@@ -57,6 +57,8 @@ pub(crate) struct Tuning {
     pub announce: Option<Duration>,
     /// The least time between two steps of the claim floor.
     pub floor_step: Duration,
+    /// Whether the relay's bookkeeping commits wait for a WAL flush.
+    pub durable_bookkeeping: bool,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -84,6 +86,7 @@ impl PgStore {
             poll,
             announce,
             floor_step,
+            durable_bookkeeping,
         } = tuning;
         let options = pool.connect_options();
         let identity = format!(
@@ -94,7 +97,7 @@ impl PgStore {
             names.schema,
             names.outbox
         );
-        let sql = Arc::new(Sql::new(names));
+        let sql = Arc::new(Sql::new(names, durable_bookkeeping));
         let announcer = Announcer::new(
             pool.clone(),
             Arc::clone(&sql),
@@ -151,8 +154,8 @@ impl PgStore {
     /// The exact claim statement this store runs (parameters: `$1` worker,
     /// `$2` locked_until, `$3` now, `$4` kind or NULL, `$5` limit, `$6` and
     /// `$7` the [`claim_floor`](Self::claim_floor)), for inspection
-    /// (`EXPLAIN`) and same-SQL baselines. It runs after
-    /// [`claim_lock`](Self::claim_lock) was taken in the same transaction.
+    /// (`EXPLAIN`) and same-SQL baselines. It runs in a transaction opened
+    /// by [`begin_claim_statement`](Self::begin_claim_statement).
     pub fn claim_statement(&self) -> &str {
         &self.inner.claim
     }
@@ -169,12 +172,12 @@ impl PgStore {
 
     /// The plan PostgreSQL chooses now for the claim statement (at most
     /// `limit` messages), run as the relay runs it — in a transaction
-    /// holding the claim lock with the same settings — and rolled back.
+    /// with the same settings — and rolled back.
     /// Plain `EXPLAIN`: nothing is claimed. For an operator who wonders
     /// why claims are slow.
     pub async fn explain_claim(&self, limit: usize) -> Result<String> {
         let what = "explaining the claim";
-        let mut tx = self.begin_locked(what).await?;
+        let mut tx = self.begin_claim(what).await?;
         let now = outbox_api::Timestamp::now();
         let floor = self.inner.floor.current();
         let result =
@@ -202,15 +205,11 @@ impl PgStore {
         &self.inner.sql.complete
     }
 
-    /// The statement that opens every claim transaction: `BEGIN`, its
-    /// timeouts and the claim lock, in one round trip.
+    /// The statement that opens every claim transaction: `BEGIN` and the
+    /// claim's settings (timeouts, plan, no flush at commit), in one round
+    /// trip.
     pub fn begin_claim_statement(&self) -> &str {
-        &self.inner.sql.begin_locked
-    }
-
-    /// The transaction-level advisory lock claims of this table hold.
-    pub fn claim_lock(&self) -> i64 {
-        self.inner.sql.claim_lock
+        &self.inner.sql.begin_claim
     }
 
     /// Deletes at most `limit` inbox entries received before `before`;
@@ -246,11 +245,11 @@ impl PgStore {
             .map_err(|e| self.fail(e, what))
     }
 
-    /// A transaction that holds the claim lock (one round trip for both).
-    async fn begin_locked(&self, what: &str) -> Result<Transaction<'static, Postgres>> {
+    /// A transaction with the claim's settings (one round trip).
+    async fn begin_claim(&self, what: &str) -> Result<Transaction<'static, Postgres>> {
         self.inner
             .pool
-            .begin_with(AssertSqlSafe(self.inner.sql.begin_locked.as_str()))
+            .begin_with(AssertSqlSafe(self.inner.sql.begin_claim.as_str()))
             .await
             .map_err(|e| self.fail(e, what))
     }
@@ -282,7 +281,7 @@ impl PgStore {
         from_sqlx(e, what, &self.inner.sql.names.outbox_display())
     }
 
-    /// The claim, inside a transaction holding the claim lock: one
+    /// The claim, inside a transaction of its own: one
     /// statement, then corrupt rows are poisoned and their keys' later
     /// messages given back.
     async fn claim_in(
@@ -415,7 +414,7 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let what = "claiming messages";
-        let mut tx = self.begin_locked(what).await?;
+        let mut tx = self.begin_claim(what).await?;
         let result = self.claim_in(&mut tx, request).await;
         let claimed = self.finish(tx, result, what).await?;
         self.tend_floor();
@@ -433,44 +432,25 @@ impl Store for PgStore {
             .map_err(|e| self.fail(e, what))
     }
 
-    /// One transaction for both, holding the claim lock from its start (so
-    /// that it never waits for that lock while holding row locks).
-    async fn complete_and_claim(
-        &self,
-        done: &[MessageId],
-        now: Timestamp,
-        next: &ClaimRequest,
-    ) -> Result<Vec<Message>> {
-        if next.limit == 0 {
-            self.complete(done, now).await?;
-            return Ok(Vec::new());
-        }
-        let what = "completing messages and claiming";
-        let mut tx = self.begin_locked(what).await?;
-        let result = match self.complete_in(&mut tx, done, now).await {
-            Ok(()) => self.claim_in(&mut tx, next).await,
-            Err(e) => Err(e),
-        };
-        let claimed = self.finish(tx, result, what).await?;
-        self.tend_floor();
-        Ok(claimed)
-    }
+    // `complete_and_claim` is the trait's default: the completion on its
+    // own (one statement), then the claim in a transaction of its own. Both
+    // commit without waiting for a flush, and the round trips are those of
+    // one transaction holding both (`BEGIN`, completion, claim, `COMMIT`).
 
-    /// Under the claim lock: a failure makes a claimable message
-    /// unclaimable (a later `available_at`, or poison), which a claim
-    /// running at the same time must not half-see.
+    /// One statement: the message is leased by this worker, so no claim
+    /// takes it meanwhile, and a claim beside it takes none of its key's
+    /// later messages whichever version of it it sees (see `claim_sql`).
     async fn fail(&self, f: &Failure) -> Result<FailOutcome> {
         let what = "recording a failure";
-        let mut tx = self.begin_locked(what).await?;
-        let result = sqlx::query(AssertSqlSafe(self.inner.sql.fail.as_str()))
+        let row = sqlx::query(AssertSqlSafe(self.inner.sql.fail.as_str()))
             .bind(storable(&f.error))
             .bind(i32::try_from(f.max_attempts).unwrap_or(i32::MAX))
             .bind(f.retry_at.as_millis())
             .bind(f.id.as_uuid())
             .bind(&f.worker)
-            .fetch_optional(&mut *tx)
-            .await;
-        let row = self.finish(tx, result, what).await?;
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(|e| self.fail(e, what))?;
         let Some(row) = row else {
             return Ok(FailOutcome::LeaseLost);
         };
@@ -484,37 +464,35 @@ impl Store for PgStore {
         })
     }
 
-    /// Under the claim lock, like [`fail`](Store::fail).
+    /// One statement, like [`fail`](Store::fail).
     async fn release(&self, r: &Release) -> Result<()> {
         if r.ids.is_empty() {
             return Ok(());
         }
         let what = "releasing leases";
         let ids: Vec<uuid::Uuid> = r.ids.iter().map(MessageId::as_uuid).collect();
-        let mut tx = self.begin_locked(what).await?;
-        let result = sqlx::query(AssertSqlSafe(self.inner.sql.release.as_str()))
+        let done = sqlx::query(AssertSqlSafe(self.inner.sql.release.as_str()))
             .bind(r.available_at.as_millis())
             .bind(r.error.as_deref().map(storable))
             .bind(ids)
             .bind(&r.worker)
-            .execute(&mut *tx)
-            .await;
-        let done = self.finish(tx, result, what).await?;
+            .execute(&self.inner.pool)
+            .await
+            .map_err(|e| self.fail(e, what))?;
         if done.rows_affected() > 0 {
             self.inner.announcer.committed();
         }
         Ok(())
     }
 
-    /// Under the claim lock, like [`fail`](Store::fail).
+    /// One statement, like [`fail`](Store::fail).
     async fn release_worker(&self, worker: &str) -> Result<u64> {
         let what = "releasing a worker's leases";
-        let mut tx = self.begin_locked(what).await?;
-        let result = sqlx::query(AssertSqlSafe(self.inner.sql.release_worker.as_str()))
+        let done = sqlx::query(AssertSqlSafe(self.inner.sql.release_worker.as_str()))
             .bind(worker)
-            .execute(&mut *tx)
-            .await;
-        let done = self.finish(tx, result, what).await?;
+            .execute(&self.inner.pool)
+            .await
+            .map_err(|e| self.fail(e, what))?;
         if done.rows_affected() > 0 {
             self.inner.announcer.committed();
         }

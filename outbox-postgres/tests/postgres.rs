@@ -589,3 +589,126 @@ async fn without_announcements_a_commit_wakes_nobody() {
     assert!(!notified(&mut raw, Duration::from_millis(100)).await);
     assert_eq!(f.pg().claim(&claim(10)).await.unwrap().len(), 1);
 }
+
+/// `synchronous_commit` as the connection sees it now.
+async fn synchronous_commit(conn: &mut sqlx::PgConnection) -> String {
+    sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+/// The relay's claims and completions commit without waiting for a WAL
+/// flush (docs/rules.md, "Server crash"), the setting ends with their
+/// transaction (the pool's connections serve the application too), and
+/// `durable_bookkeeping(true)` leaves them durable.
+#[tokio::test]
+async fn bookkeeping_commits_do_not_wait_for_a_flush() {
+    let f = PgUnderTest::fresh(None).await;
+    let durable = PgStore::builder_with_pool(f.pool().clone())
+        .schema(f.schema())
+        .table(f.pg().table())
+        .inbox_table(f.pg().inbox_table())
+        .durable_bookkeeping(true)
+        .connect()
+        .await
+        .unwrap();
+    let no_ids: Vec<outbox_postgres::sqlx::types::Uuid> = Vec::new();
+    for (store, expected) in [(f.pg(), "off"), (&durable, "on")] {
+        let mut conn = f.pool().acquire().await.unwrap();
+        assert_eq!(
+            synchronous_commit(&mut conn).await,
+            "on",
+            "the session's own"
+        );
+        // The claim's transaction (its completion runs in one like it, or alone).
+        sqlx::raw_sql(sqlx::AssertSqlSafe(store.begin_claim_statement()))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(synchronous_commit(&mut conn).await, expected, "claim");
+        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(store.complete_statement()))
+            .bind(0_i64)
+            .bind(&no_ids)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(synchronous_commit(&mut conn).await, expected, "completion");
+        sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        // Alone, in its own transaction: nothing stays set afterwards.
+        sqlx::query(sqlx::AssertSqlSafe(store.complete_statement()))
+            .bind(0_i64)
+            .bind(&no_ids)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(
+            synchronous_commit(&mut conn).await,
+            "on",
+            "after a completion"
+        );
+    }
+    // And the store's own calls leave the pool's connections as they were.
+    f.enqueue(vec![msg(1)]).await;
+    let claimed = f.pg().claim(&claim(10)).await.unwrap();
+    f.pg()
+        .complete(&[claimed[0].id], Timestamp::now())
+        .await
+        .unwrap();
+    let mut conn = f.pool().acquire().await.unwrap();
+    assert_eq!(synchronous_commit(&mut conn).await, "on");
+}
+
+/// Two claims side by side: claim A has locked a key's first message and
+/// not yet committed its lease; claim B, whose snapshot shows that message
+/// pending and unleased, skips it — and must then take none of the key's
+/// later messages (docs/decisions.md, "PostgreSQL: claims run side by
+/// side"). Without the claim's last rule B took the second message while A
+/// held the first.
+#[tokio::test]
+async fn a_claim_beside_another_never_splits_a_key() {
+    let f = PgUnderTest::fresh(None).await;
+    f.enqueue(vec![msg(1).key("k"), msg(2).key("k"), msg(3)])
+        .await;
+    let store = f.pg();
+    let request = claim(1);
+    let (floor, generation) = store.claim_floor();
+    let mut a = f.pool().acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(store.begin_claim_statement()))
+        .execute(&mut *a)
+        .await
+        .unwrap();
+    let taken = sqlx::query(sqlx::AssertSqlSafe(store.claim_statement()))
+        .bind("a")
+        .bind(request.now.add(request.lease).as_millis())
+        .bind(request.now.as_millis())
+        .bind(None::<&str>)
+        .bind(1_i64)
+        .bind(floor)
+        .bind(generation)
+        .fetch_all(&mut *a)
+        .await
+        .unwrap();
+    assert_eq!(taken.len(), 1, "claim A leases k's first message");
+    // Claim B while A's lease is not yet committed.
+    let beside = store.claim(&claim(10)).await.unwrap();
+    assert_eq!(
+        payloads(&beside),
+        ["3"],
+        "B skips k's first message (locked by A), so it leaves k's second too"
+    );
+    sqlx::raw_sql("COMMIT").execute(&mut *a).await.unwrap();
+    // A's lease is committed now: B still takes nothing of k.
+    assert!(store.claim(&claim(10)).await.unwrap().is_empty());
+    let first = store
+        .list(&outbox_api::ListQuery::new().state(MessageState::Pending))
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|m| m.payload == b"1")
+        .unwrap();
+    store.complete(&[first.id], Timestamp::now()).await.unwrap();
+    assert_eq!(payloads(&store.claim(&claim(10)).await.unwrap()), ["2"]);
+}

@@ -255,3 +255,80 @@ pub(super) async fn pinned_xmin(quick: bool) -> Vec<Figure> {
         ),
     ]
 }
+
+/// `pg_stat_wal.wal_sync`: how many times the server has flushed WAL to
+/// disk, in all.
+async fn wal_syncs(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT wal_sync FROM pg_stat_wal")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// One relay (batch 100) drains `n` messages on a store with
+/// `durable_bookkeeping` as given; WAL flushes per delivered message,
+/// counted by `pg_stat_wal` over the drain. The server counts a backend's
+/// flushes when it reports its statistics (at most once a second, and when
+/// it exits), so the relay's connections are closed, and gone from
+/// `pg_stat_activity`, before the second reading.
+async fn wal_flushes_per_message(durable: bool, n: usize) -> f64 {
+    let f = fixture(|b| b).await;
+    fill(&f, n).await;
+    // The fixture's URL ends with `application_name=<schema>`: the relay's
+    // connections are told apart by a suffix.
+    let name = format!("{}_relay", f.schema());
+    let store = PgStore::builder(format!("{}_relay", f.url()))
+        .schema(f.schema())
+        .table(f.pg().table())
+        .inbox_table(f.pg().inbox_table())
+        .max_connections(4)
+        .durable_bookkeeping(durable)
+        .connect()
+        .await
+        .unwrap();
+    let count = Arc::new(AtomicU64::new(0));
+    let relay = Relay::builder(store.clone())
+        .dispatcher(counting_handlers(count.clone()))
+        .batch_size(100)
+        .build()
+        .unwrap();
+    let before = wal_syncs(f.pool()).await;
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.delivered as usize, n);
+    drop(relay);
+    store.pool().close().await;
+    drop(store);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let open: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&name)
+                .fetch_one(f.pool())
+                .await
+                .unwrap();
+        if open == 0 || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let after = wal_syncs(f.pool()).await;
+    (after - before) as f64 / n as f64
+}
+
+/// WAL flushes per delivered message while a relay drains, beside the same
+/// drain with `durable_bookkeeping(true)` (every claim and completion
+/// commit waiting for the disk, as before this release).
+pub(super) async fn wal_flushes(quick: bool) -> Vec<Figure> {
+    let n = if quick { 2_000 } else { 20_000 };
+    let durable = wal_flushes_per_message(true, n).await;
+    let relaxed = wal_flushes_per_message(false, n).await;
+    vec![
+        Figure::new(
+            format!("WAL flushes per delivered message, PostgreSQL, 1 relay draining {n}, batch 100 (pg_stat_wal.wal_sync)"),
+            relaxed,
+            "flushes/msg",
+            "≤ 0.05",
+        )
+        .beside("the same drain with durable_bookkeeping(true)", durable),
+    ]
+}

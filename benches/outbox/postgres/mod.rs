@@ -86,6 +86,7 @@ pub const PARTS: &[&str] = &[
     "postgres-bulk",
     "postgres-wakeup",
     "postgres-drain",
+    "postgres-wal",
     "postgres-latency",
     "postgres-failover",
     "postgres-xmin",
@@ -109,6 +110,9 @@ pub async fn figures(quick: bool, wanted: impl Fn(&str) -> bool) -> Vec<Figure> 
     }
     if wanted("postgres-drain") {
         out.extend(drain::drains(quick).await);
+    }
+    if wanted("postgres-wal") {
+        out.extend(drain::wal_flushes(quick).await);
     }
     if wanted("postgres-latency") {
         out.extend(latency::latency(quick, &url).await);
