@@ -12,7 +12,10 @@
 //! * [`check`]: enqueueing test messages, waiting on conditions, and
 //!   checking what was delivered;
 //! * [`postgres`]: the same on PostgreSQL, and the disruptions of the
-//!   PostgreSQL fault test (`pg_terminate_backend`, a server restart).
+//!   PostgreSQL fault test (`pg_terminate_backend`, a server restart);
+//! * [`own_postgres`]: a PostgreSQL server of a test's own, in a temporary
+//!   directory, for tests that crash or restart the server (never the
+//!   shared one).
 //!
 //! The tests themselves are in `tests/`; see the crate's README.
 
@@ -20,6 +23,7 @@ mod args;
 pub mod check;
 mod child;
 mod counting;
+pub mod own_postgres;
 pub mod postgres;
 mod receiver;
 mod tally;

@@ -598,7 +598,8 @@ pub async fn restart(mut command: Command, pool: &PgPool) -> Result<Duration, St
 }
 
 /// What a relay logs because its database was out of reach — each is
-/// expected while connections are ended and the server restarts.
+/// expected while connections are ended and the server restarts or
+/// crashes.
 pub const OUTAGE_LINES: &[&str] = &[
     // The store's errors of kind Unavailable (CountingStore).
     "[Unavailable]",
@@ -614,6 +615,9 @@ pub const OUTAGE_LINES: &[&str] = &[
     // The LISTEN connection ended; the listener polls until it is back.
     "outbox listener lost its connection",
     "outbox listener cannot LISTEN",
+    // The server's goodbye to every connection when it is crashed
+    // (`pg_ctl stop -m immediate`), which sqlx logs as a notice.
+    "terminating connection due to immediate shutdown command",
 ];
 
 /// The problem lines in a child's log (see
