@@ -274,10 +274,10 @@ async fn wal_syncs(pool: &PgPool) -> i64 {
 async fn wal_flushes_per_message(durable: bool, n: usize) -> f64 {
     let f = fixture(|b| b).await;
     fill(&f, n).await;
-    // The fixture's URL ends with `application_name=<schema>`: the relay's
-    // connections are told apart by a suffix.
+    // The relay's connections carry a name of their own.
     let name = format!("{}_relay", f.schema());
-    let store = PgStore::builder(format!("{}_relay", f.url()))
+    let separator = if f.url().contains('?') { '&' } else { '?' };
+    let store = PgStore::builder(format!("{}{separator}application_name={name}", f.url()))
         .schema(f.schema())
         .table(f.pg().table())
         .inbox_table(f.pg().inbox_table())
