@@ -138,6 +138,30 @@ impl RelayChild {
     }
 }
 
+/// Panics, naming `context` and showing the end of its log, if any of
+/// `children` has exited by itself.
+pub fn assert_all_running(children: &mut [RelayChild], context: &str) {
+    for c in children {
+        assert!(
+            c.is_running(),
+            "{context}: relay {} exited by itself; its log ends:\n{}",
+            c.worker(),
+            crate::check::log_tail(c.log(), 20)
+        );
+    }
+}
+
+/// Checks that every one of `children` is still running (see
+/// [`assert_all_running`]), then stops each gracefully, waiting up to
+/// `timeout` apiece.
+pub fn stop_all(children: &mut [RelayChild], timeout: Duration, context: &str) {
+    assert_all_running(children, context);
+    for c in children {
+        c.stop(timeout)
+            .unwrap_or_else(|e| panic!("{context}: stopping relay {}: {e}", c.worker()));
+    }
+}
+
 impl Drop for RelayChild {
     fn drop(&mut self) {
         if self.child.is_some() {

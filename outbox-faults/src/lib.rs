@@ -29,7 +29,7 @@ mod receiver;
 mod tally;
 
 pub use args::{ChildArgs, PG_URL_VARIABLE};
-pub use child::RelayChild;
+pub use child::{RelayChild, assert_all_running, stop_all};
 pub use counting::CountingStore;
 pub use receiver::{
     MESSAGE_TYPE, RECEIVER_INBOX_TABLE, RECEIVER_OUTBOX_TABLE, Receiver, open_connection,

@@ -89,13 +89,6 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))
 }
 
-/// The last `n` lines of the file at `path` (empty if it cannot be read).
-fn tail(path: &Path, n: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
-
 /// What a finished command said, for error messages.
 fn said(out: &Output) -> String {
     let mut text = String::from_utf8_lossy(&out.stderr).trim().to_owned();
@@ -192,7 +185,7 @@ impl OwnPostgres {
                 &["-h", "127.0.0.1", "-p", &port, "-U", "postgres", DATABASE]
                     .map(std::ffi::OsStr::new),
             )
-            .map_err(|e| format!("{e}\nserver log ends:\n{}", tail(&server.log(), 30)))?;
+            .map_err(|e| format!("{e}\nserver log ends:\n{}", server.log_tail(30)))?;
         Ok(server)
     }
 
@@ -220,7 +213,7 @@ impl OwnPostgres {
     /// The last `n` lines of the server's log, for failure messages (the
     /// directory is gone once the guard is dropped).
     pub fn log_tail(&self, n: usize) -> String {
-        tail(&self.log(), n)
+        crate::check::log_tail(&self.log(), n)
     }
 
     /// Starts the server (after [`new`](Self::new) did once, or after a

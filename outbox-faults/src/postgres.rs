@@ -441,6 +441,16 @@ pub async fn in_state(pool: &PgPool, schema: &str, state: &str) -> Option<u64> {
     .await
 }
 
+/// Messages of the test's outbox in `schema` that still carry a lease:
+/// after every relay stopped gracefully there must be none.
+pub async fn leased(pool: &PgPool, schema: &str) -> Option<u64> {
+    count(
+        pool,
+        &format!(r#"SELECT count(*) FROM "{schema}".{OUTBOX_TABLE} WHERE locked_by IS NOT NULL"#),
+    )
+    .await
+}
+
 /// Polls `condition` every 50 ms until it is `Some(true)`; panics naming
 /// `what` after `timeout`. Returns how long it took.
 pub async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut condition: F) -> Duration

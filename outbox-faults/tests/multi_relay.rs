@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use outbox_faults::check::{self, log_problems, pending, verify};
-use outbox_faults::{ChildArgs, RelayChild, open_connection};
+use outbox_faults::{ChildArgs, RelayChild, open_connection, stop_all};
 use outbox_sqlite::SqliteStore;
 
 #[tokio::test(flavor = "current_thread")]
@@ -62,15 +62,11 @@ async fn four_relay_processes_deliver_each_message_once_in_key_order() {
     })
     .await;
     let elapsed = started.elapsed();
-    for c in &mut children {
-        assert!(
-            c.is_running(),
-            "seed {seed}: relay {} died; its log ends:\n{}",
-            c.worker(),
-            check::log_tail(c.log(), 20)
-        );
-        c.stop(Duration::from_secs(10)).unwrap();
-    }
+    stop_all(
+        &mut children,
+        Duration::from_secs(10),
+        &format!("seed {seed}"),
+    );
 
     let report = verify(&db, &db, &expected);
     eprintln!(

@@ -15,10 +15,10 @@ use std::time::{Duration, Instant};
 
 use outbox_faults::check::{self, Expected};
 use outbox_faults::postgres::{
-    self as pg, Enqueued, OUTBOX_TABLE, in_state, lazy_pool, log_problems_beyond_outages,
-    restart_command, terminate_one, with_application_name,
+    self as pg, Enqueued, in_state, lazy_pool, log_problems_beyond_outages, restart_command,
+    terminate_one, with_application_name,
 };
-use outbox_faults::{ChildArgs, RelayChild};
+use outbox_faults::{ChildArgs, RelayChild, assert_all_running, stop_all};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_postgres::testing::{database_url, unique_schema};
@@ -147,14 +147,7 @@ async fn relays_survive_kills_ended_connections_and_a_server_restart() {
             },
         )
         .await;
-        for c in &mut children {
-            assert!(
-                c.is_running(),
-                "seed {seed}: relay {} exited by itself; its log ends:\n{}",
-                c.worker(),
-                check::log_tail(c.log(), 20)
-            );
-        }
+        assert_all_running(&mut children, &format!("seed {seed}"));
         match disruption {
             Disruption::Kill => {
                 let r = rng.usize(..relays);
@@ -196,15 +189,11 @@ async fn relays_survive_kills_ended_connections_and_a_server_restart() {
     })
     .await;
     let elapsed = started.elapsed();
-    for c in &mut children {
-        assert!(
-            c.is_running(),
-            "seed {seed}: relay {} died; its log ends:\n{}",
-            c.worker(),
-            check::log_tail(c.log(), 20)
-        );
-        c.stop(Duration::from_secs(20)).unwrap();
-    }
+    stop_all(
+        &mut children,
+        Duration::from_secs(20),
+        &format!("seed {seed}"),
+    );
 
     let report = pg::verify(&admin, &schema, &expected).await;
     let disruptions = kills + terminations + 1;
@@ -246,14 +235,9 @@ async fn relays_survive_kills_ended_connections_and_a_server_restart() {
         "seed {seed}: the relays reported problems that no outage explains:\n{}",
         problems.join("\n")
     );
-    let leftover: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        r#"SELECT count(*) FROM "{schema}".{OUTBOX_TABLE} WHERE locked_by IS NOT NULL"#
-    )))
-    .fetch_one(&admin)
-    .await
-    .unwrap();
     assert_eq!(
-        leftover, 0,
+        pg::leased(&admin, &schema).await,
+        Some(0),
         "seed {seed}: leases left after a graceful stop"
     );
     sqlx::query(AssertSqlSafe(format!(r#"DROP SCHEMA "{schema}" CASCADE"#)))

@@ -31,10 +31,9 @@ use outbox_api::Timestamp;
 use outbox_faults::check::{self, Expected};
 use outbox_faults::own_postgres::OwnPostgres;
 use outbox_faults::postgres::{
-    self as pg, Enqueued, OUTBOX_TABLE, in_state, lazy_pool, log_problems_beyond_outages,
-    with_application_name,
+    self as pg, Enqueued, in_state, lazy_pool, log_problems_beyond_outages, with_application_name,
 };
-use outbox_faults::{ChildArgs, RelayChild};
+use outbox_faults::{ChildArgs, RelayChild, assert_all_running, stop_all};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::{self, AssertSqlSafe, Row};
 use outbox_postgres::testing::unique_schema;
@@ -198,14 +197,7 @@ async fn relays_and_application_survive_two_server_crashes() {
             },
         )
         .await;
-        for c in &mut children {
-            assert!(
-                c.is_running(),
-                "seed {seed}: relay {} exited by itself; its log ends:\n{}",
-                c.worker(),
-                check::log_tail(c.log(), 20)
-            );
-        }
+        assert_all_running(&mut children, &format!("seed {seed}"));
         let processed = in_state(&admin, &schema, "processed")
             .await
             .unwrap_or(target);
@@ -238,15 +230,11 @@ async fn relays_and_application_survive_two_server_crashes() {
     })
     .await;
     let elapsed = started.elapsed();
-    for c in &mut children {
-        assert!(
-            c.is_running(),
-            "seed {seed}: relay {} died; its log ends:\n{}",
-            c.worker(),
-            check::log_tail(c.log(), 20)
-        );
-        c.stop(Duration::from_secs(20)).unwrap();
-    }
+    stop_all(
+        &mut children,
+        Duration::from_secs(20),
+        &format!("seed {seed}"),
+    );
 
     let report = pg::verify(&admin, &schema, &expected).await;
     let poisoned = in_state(&admin, &schema, "poisoned").await.unwrap();
@@ -389,14 +377,9 @@ async fn relays_and_application_survive_two_server_crashes() {
         "seed {seed}: the relays reported problems that no outage explains:\n{}",
         problems.join("\n")
     );
-    let leftover: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        r#"SELECT count(*) FROM "{schema}".{OUTBOX_TABLE} WHERE locked_by IS NOT NULL"#
-    )))
-    .fetch_one(&admin)
-    .await
-    .unwrap();
     assert_eq!(
-        leftover, 0,
+        pg::leased(&admin, &schema).await,
+        Some(0),
         "seed {seed}: leases left after a graceful stop"
     );
     admin.close().await;

@@ -245,16 +245,13 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
 /// ones, and a relay woken in that moment would claim without seeing its
 /// messages. Returns whether the `NOTIFY` was sent.
 async fn look(inner: &Inner, notify: bool) -> bool {
-    let watching: Vec<String> = lock(&inner.state)
-        .watching
-        .keys()
-        .map(u64::to_string)
-        .collect();
+    let watching: Vec<u64> = lock(&inner.state).watching.keys().copied().collect();
     if watching.is_empty() {
         return false;
     }
+    let ids: Vec<String> = watching.iter().map(u64::to_string).collect();
     let rows: Vec<PgRow> = match sqlx::query(AssertSqlSafe(inner.sql.look.as_str()))
-        .bind(&watching)
+        .bind(&ids)
         .bind(notify)
         .bind(&inner.channel)
         .fetch_all(&inner.pool)
@@ -270,9 +267,7 @@ async fn look(inner: &Inner, notify: bool) -> bool {
             {
                 let mut state = lock(&inner.state);
                 for xid in &watching {
-                    if let Ok(xid) = xid.parse::<u64>() {
-                        state.watching.remove(&xid);
-                    }
+                    state.watching.remove(xid);
                 }
                 state.notify_due = true;
             }

@@ -4,6 +4,7 @@
 
 mod announce;
 mod builder;
+mod claim_sql;
 mod error;
 mod floor;
 mod inbox;

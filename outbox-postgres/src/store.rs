@@ -334,24 +334,6 @@ impl PgStore {
         Ok(out)
     }
 
-    async fn complete_in(
-        &self,
-        conn: &mut PgConnection,
-        ids: &[MessageId],
-        now: Timestamp,
-    ) -> std::result::Result<(), sqlx::Error> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
-        sqlx::query(AssertSqlSafe(self.inner.sql.complete.as_str()))
-            .bind(now.as_millis())
-            .bind(ids)
-            .execute(conn)
-            .await?;
-        Ok(())
-    }
-
     async fn count_state(
         &self,
         conn: &mut PgConnection,
@@ -426,10 +408,14 @@ impl Store for PgStore {
             return Ok(());
         }
         let what = "completing messages";
-        let mut conn = self.acquire(what).await?;
-        self.complete_in(&mut conn, ids, now)
+        let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
+        sqlx::query(AssertSqlSafe(self.inner.sql.complete.as_str()))
+            .bind(now.as_millis())
+            .bind(ids)
+            .execute(&self.inner.pool)
             .await
-            .map_err(|e| self.fail(e, what))
+            .map_err(|e| self.fail(e, what))?;
+        Ok(())
     }
 
     // `complete_and_claim` is the trait's default: the completion on its

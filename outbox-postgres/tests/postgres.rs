@@ -614,6 +614,15 @@ async fn bookkeeping_commits_do_not_wait_for_a_flush() {
         .await
         .unwrap();
     let no_ids: Vec<outbox_postgres::sqlx::types::Uuid> = Vec::new();
+    // The completion statement, completing nothing.
+    let complete = async |store: &PgStore, conn: &mut sqlx::PgConnection| {
+        sqlx::query(sqlx::AssertSqlSafe(store.complete_statement()))
+            .bind(0_i64)
+            .bind(&no_ids)
+            .execute(conn)
+            .await
+            .unwrap();
+    };
     for (store, expected) in [(f.pg(), "off"), (&durable, "on")] {
         let mut conn = f.pool().acquire().await.unwrap();
         assert_eq!(
@@ -621,29 +630,21 @@ async fn bookkeeping_commits_do_not_wait_for_a_flush() {
             "on",
             "the session's own"
         );
-        // The claim's transaction (its completion runs in one like it, or alone).
+        // The claim's transaction.
         sqlx::raw_sql(sqlx::AssertSqlSafe(store.begin_claim_statement()))
             .execute(&mut *conn)
             .await
             .unwrap();
         assert_eq!(synchronous_commit(&mut conn).await, expected, "claim");
         sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
+        // The completion, seen from inside a transaction.
         sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(store.complete_statement()))
-            .bind(0_i64)
-            .bind(&no_ids)
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        complete(store, &mut conn).await;
         assert_eq!(synchronous_commit(&mut conn).await, expected, "completion");
         sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.unwrap();
-        // Alone, in its own transaction: nothing stays set afterwards.
-        sqlx::query(sqlx::AssertSqlSafe(store.complete_statement()))
-            .bind(0_i64)
-            .bind(&no_ids)
-            .execute(&mut *conn)
-            .await
-            .unwrap();
+        // Alone, in its own transaction (as the store runs it): nothing
+        // stays set afterwards.
+        complete(store, &mut conn).await;
         assert_eq!(
             synchronous_commit(&mut conn).await,
             "on",

@@ -28,8 +28,9 @@ async fn drain_relays(relays: usize, batch: usize, n: usize) -> f64 {
 }
 
 /// `workers` bare loops, each on a connection of its own, running the
-/// store's own statements in the relay's transactions: each opens with the
-/// claim lock, completes the previous batch and claims the next. The claim
+/// store's own statements in the relay's transactions: each completes the
+/// previous batch (one statement, its own transaction), then claims the
+/// next in a claim transaction. The claim
 /// binds a floor as the relay's store does (src/floor.rs): here, with no
 /// writer and no retry, simply the lowest `seq` any loop still holds (retry
 /// generation 0: the `_retries` sequence never moves in the bench). Walking
@@ -53,10 +54,6 @@ async fn drain_bare(workers: usize, batch: usize, n: usize) -> f64 {
                 let mut done = 0;
                 loop {
                     let now = Timestamp::now().as_millis();
-                    sqlx::raw_sql(AssertSqlSafe(store.begin_claim_statement()))
-                        .execute(&mut *conn)
-                        .await
-                        .unwrap();
                     if !previous.is_empty() {
                         sqlx::query(AssertSqlSafe(store.complete_statement()))
                             .bind(now)
@@ -65,6 +62,10 @@ async fn drain_bare(workers: usize, batch: usize, n: usize) -> f64 {
                             .await
                             .unwrap();
                     }
+                    sqlx::raw_sql(AssertSqlSafe(store.begin_claim_statement()))
+                        .execute(&mut *conn)
+                        .await
+                        .unwrap();
                     let rows = sqlx::query(AssertSqlSafe(store.claim_statement()))
                         .bind(&worker)
                         .bind(now + 60_000)
