@@ -221,11 +221,7 @@ impl OwnPostgres {
     /// WAL) and waits until it accepts connections on its port, for up to
     /// two minutes. `Err` includes the end of the server's log.
     pub fn start(&mut self) -> Result<(), String> {
-        let options = format!(
-            "-p {} -k '{}' -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200",
-            self.port,
-            self.dir.path().display()
-        );
+        let options = self.options();
         let (data, log) = (self.data_dir(), self.log());
         let timeout = START_TIMEOUT.as_secs().to_string();
         let started = self.run(
@@ -274,6 +270,49 @@ impl OwnPostgres {
         stopped
             .map(drop)
             .map_err(|e| format!("crashing the server: {e}"))
+    }
+
+    /// Restarts the server cleanly (`pg_ctl restart -m fast`: sessions are
+    /// ended, a checkpoint is written) and waits until it accepts
+    /// connections again. `Err` includes the end of the server's log.
+    pub fn restart(&mut self) -> Result<(), String> {
+        let (data, log) = (self.data_dir(), self.log());
+        let options = self.options();
+        let timeout = START_TIMEOUT.as_secs().to_string();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D".as_ref(),
+                data.as_os_str(),
+                "-l".as_ref(),
+                log.as_os_str(),
+                "-o".as_ref(),
+                options.as_ref(),
+                "-m".as_ref(),
+                "fast".as_ref(),
+                "-t".as_ref(),
+                timeout.as_ref(),
+                "-w".as_ref(),
+                "restart".as_ref(),
+            ],
+        )
+        .and_then(|_| self.wait_until_ready())
+        .map_err(|e| {
+            format!(
+                "restarting the server: {e}\nserver log ends:\n{}",
+                self.log_tail(30)
+            )
+        })
+    }
+
+    /// The server's options: its port, socket directory, loopback only,
+    /// `fsync` on.
+    fn options(&self) -> String {
+        format!(
+            "-p {} -k '{}' -c listen_addresses=127.0.0.1 -c fsync=on -c max_connections=200",
+            self.port,
+            self.dir.path().display()
+        )
     }
 
     /// Polls `pg_isready` on the server's TCP port until it says the server

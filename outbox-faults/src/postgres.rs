@@ -3,7 +3,6 @@
 //! and the disruptions themselves (`pg_terminate_backend`, a restart).
 
 use std::collections::HashSet;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -532,79 +531,6 @@ pub async fn terminate_one(pool: &PgPool, prefix: &str, listeners: bool) -> Resu
         .await
         .map(|n| n as u64)
         .map_err(|e| format!("pg_terminate_backend: {e}"))
-}
-
-/// The variable naming a shell command that restarts the test's
-/// PostgreSQL, for servers this crate cannot restart by itself.
-pub const RESTART_VARIABLE: &str = "OUTBOX_FAULTS_PG_RESTART";
-
-/// How this test can restart the PostgreSQL server at `url`: the command in
-/// [`RESTART_VARIABLE`], else `pg_ctlcluster` for the local Debian cluster
-/// listening on the URL's port. `Err` says how to provide one.
-pub fn restart_command(url: &str) -> Result<Command, String> {
-    if let Ok(cmd) = std::env::var(RESTART_VARIABLE) {
-        if !cmd.trim().is_empty() {
-            let mut c = Command::new("sh");
-            c.arg("-c").arg(cmd);
-            return Ok(c);
-        }
-    }
-    let how = format!(
-        "the PostgreSQL fault test restarts the server mid-run; set {RESTART_VARIABLE} to a \
-         command that restarts the server of OUTBOX_PG_URL (or run the test against a local \
-         Debian cluster, which it restarts with pg_ctlcluster)"
-    );
-    let options: PgConnectOptions = url.parse().map_err(|e| format!("{how}: {e}"))?;
-    let host = options.get_host();
-    if !matches!(host, "localhost" | "127.0.0.1" | "::1") && !host.starts_with('/') {
-        return Err(format!(
-            "{how}; the server is on `{host}`, not this machine"
-        ));
-    }
-    let port = options.get_port();
-    let listing = Command::new("pg_lsclusters")
-        .arg("--no-header")
-        .output()
-        .map_err(|e| format!("{how}; pg_lsclusters: {e}"))?;
-    let text = String::from_utf8_lossy(&listing.stdout);
-    let cluster = text.lines().find_map(|line| {
-        let f: Vec<&str> = line.split_whitespace().collect();
-        (f.len() >= 4 && f[2] == port.to_string() && f[3].starts_with("online"))
-            .then(|| (f[0].to_owned(), f[1].to_owned()))
-    });
-    let (version, name) =
-        cluster.ok_or_else(|| format!("{how}; no online cluster listens on port {port}"))?;
-    let mut c = Command::new("pg_ctlcluster");
-    c.args([
-        "--skip-systemctl-redirect",
-        "-m",
-        "fast",
-        &version,
-        &name,
-        "restart",
-    ]);
-    Ok(c)
-}
-
-/// Restarts PostgreSQL with `command` (see [`restart_command`]) and waits
-/// until `pool` answers again; returns how long the server was away.
-pub async fn restart(mut command: Command, pool: &PgPool) -> Result<Duration, String> {
-    let started = Instant::now();
-    let status = tokio::task::spawn_blocking(move || command.status())
-        .await
-        .map_err(|e| format!("restart task: {e}"))?
-        .map_err(|e| format!("running the restart command: {e}"))?;
-    if !status.success() {
-        return Err(format!("the restart command failed: {status}"));
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(pool, "SELECT 1::bigint").await.is_none() {
-        if Instant::now() > deadline {
-            return Err("PostgreSQL did not answer within 60 s of its restart".into());
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    Ok(started.elapsed())
 }
 
 /// What a relay logs because its database was out of reach — each is

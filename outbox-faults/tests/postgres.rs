@@ -6,22 +6,23 @@
 //! counted for any of it, and the duplicates the inbox turned away are
 //! bounded by what the disruptions could have left half-done.
 //!
-//! This file holds one test on purpose: the restart ends every connection
-//! to the server, and cargo runs the tests of one file side by side (test
-//! files one after another).
+//! The test restarts its server, so it runs a server of its own
+//! ([`OwnPostgres`], in a temporary directory, on a free port), never the
+//! shared one.
 
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use outbox_faults::check::{self, Expected};
+use outbox_faults::own_postgres::OwnPostgres;
 use outbox_faults::postgres::{
-    self as pg, Enqueued, in_state, lazy_pool, log_problems_beyond_outages, restart_command,
-    terminate_one, with_application_name,
+    self as pg, Enqueued, in_state, lazy_pool, log_problems_beyond_outages, terminate_one,
+    with_application_name,
 };
 use outbox_faults::{ChildArgs, RelayChild, assert_all_running, stop_all};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::{self, AssertSqlSafe};
-use outbox_postgres::testing::{database_url, unique_schema};
+use outbox_postgres::testing::unique_schema;
 
 /// One disruption, done when the relays have processed a given share of
 /// the messages.
@@ -49,10 +50,11 @@ async fn relays_survive_kills_ended_connections_and_a_server_restart() {
         (100_000, 20, 20)
     };
     let relays = 4;
-    let url = database_url();
-    // Checked first: a test that cannot restart the server fails at once,
-    // saying how to let it.
-    let restart = restart_command(&url).unwrap_or_else(|how| panic!("{how}"));
+    // The test restarts its server, so it runs one of its own (declared
+    // first, so dropped last: the relays are killed before it stops).
+    let mut server =
+        tokio::task::block_in_place(OwnPostgres::new).unwrap_or_else(|e| panic!("{e}"));
+    let url = server.url();
     let schema = unique_schema("faults_pg");
     let tag = format!("faults-{schema}");
     let admin = lazy_pool(
@@ -170,13 +172,13 @@ async fn relays_survive_kills_ended_connections_and_a_server_restart() {
                 }
             }
             Disruption::Restart => {
-                let command = restart_command(&url).unwrap();
-                let away = pg::restart(command, &admin).await.unwrap();
-                restarted = Some(away);
+                let at = Instant::now();
+                tokio::task::block_in_place(|| server.restart())
+                    .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+                restarted = Some(at.elapsed());
             }
         }
     }
-    drop(restart);
 
     let written: Enqueued = writer.await.unwrap().unwrap();
     let interrupted = enqueued.interrupted + written.interrupted;
