@@ -288,8 +288,10 @@ async fn run(args: Args) -> Result<(), Fail> {
     }
     let replica = check_role(&args)?;
     let run = run_id(&args);
-    // With several processes, Warehouse consumes partition queues.
-    let partitions = (args.role != Role::All).then_some(args.partitions);
+    // With several processes, Warehouse consumes partition queues; so does
+    // one process on PostgreSQL, whose inbox takes the partitions' workers
+    // side by side (SQLite's one writer would only make them take turns).
+    let partitions = (args.role != Role::All || args.postgres.is_some()).then_some(args.partitions);
     // A malformed URL fails before anything is touched.
     let bus = match &args.amqp {
         None => Bus::Embedded,

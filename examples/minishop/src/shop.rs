@@ -139,9 +139,16 @@ impl Shop {
                         let warehouse = Warehouse::open(location).await?;
                         let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
                         let warehouse_out = amqp::transport(&url, &names, "warehouse").await?;
-                        consumers.push(
-                            amqp::consumer(&url, &names.warehouse_queue, warehouse_inbox).await?,
-                        );
+                        consumers.push(match &names.warehouse_partitions {
+                            // Every partition in this process, a worker each.
+                            Some(p) => {
+                                amqp::partitioned_consumer(&url, p, (0, 1), warehouse_inbox).await?
+                            }
+                            None => {
+                                amqp::consumer(&url, &names.warehouse_queue, warehouse_inbox)
+                                    .await?
+                            }
+                        });
                         let warehouse_relay = spawn(
                             relay(
                                 warehouse.database().store(),
@@ -176,7 +183,12 @@ impl Shop {
                             p.count(),
                             p.prefix()
                         ),
-                        _ => String::new(),
+                        (Some(p), Modules::Both) => format!(
+                            "; the warehouse consumes {} partitions `{}.*`",
+                            p.count(),
+                            p.prefix()
+                        ),
+                        (None, _) => String::new(),
                     }
                 );
                 Ok(Shop {
