@@ -38,6 +38,11 @@ pub struct AmqpNames {
     pub warehouse_partitions: Option<Partitions>,
     /// Ordering's inbox queue (`StockReserved`, `StockRejected`).
     pub ordering_queue: String,
+    /// Ordering's partition queues (`minishop.ordering.0` …), whenever
+    /// Warehouse has partitions: Warehouse publishes its answers
+    /// partitioned by key (the order id), and Ordering consumes every
+    /// partition, a worker each.
+    pub ordering_partitions: Option<Partitions>,
     /// Whether the names are unique to this run (deleted at exit).
     pub isolated: bool,
 }
@@ -50,10 +55,14 @@ impl AmqpNames {
     /// partition queues instead of one queue.
     pub fn new(run: Option<&str>, isolated: bool, partitions: Option<u16>) -> Result<Self, Fail> {
         let suffix = run.map(|id| format!(".run-{id}")).unwrap_or_default();
-        let warehouse_partitions = partitions
-            .map(|n| Partitions::new(format!("minishop.warehouse{suffix}"), n))
-            .transpose()
-            .context("--partitions")?;
+        let partitioned = |module: &str| {
+            partitions
+                .map(|n| Partitions::new(format!("minishop.{module}{suffix}"), n))
+                .transpose()
+                .context("--partitions")
+        };
+        let warehouse_partitions = partitioned("warehouse")?;
+        let ordering_partitions = partitioned("ordering")?;
         Ok(AmqpNames {
             exchange: format!("minishop{suffix}"),
             dead_letter_exchange: format!("minishop.dlx{suffix}"),
@@ -61,6 +70,7 @@ impl AmqpNames {
             warehouse_queue: format!("minishop.warehouse{suffix}"),
             ordering_queue: format!("minishop.ordering{suffix}"),
             warehouse_partitions,
+            ordering_partitions,
             isolated,
         })
     }
@@ -87,18 +97,25 @@ impl AmqpNames {
                 .dead_letter_partitioned(p, &self.dead_letter_exchange)
                 .bind_partitioned(p, &self.exchange, OrderPlaced::MESSAGE_TYPE),
         };
-        topology
-            .dead_letter(&self.ordering_queue, &self.dead_letter_exchange)
-            .bind(
-                &self.ordering_queue,
-                &self.exchange,
-                StockReserved::MESSAGE_TYPE,
-            )
-            .bind(
-                &self.ordering_queue,
-                &self.exchange,
-                StockRejected::MESSAGE_TYPE,
-            )
+        match &self.ordering_partitions {
+            None => topology
+                .dead_letter(&self.ordering_queue, &self.dead_letter_exchange)
+                .bind(
+                    &self.ordering_queue,
+                    &self.exchange,
+                    StockReserved::MESSAGE_TYPE,
+                )
+                .bind(
+                    &self.ordering_queue,
+                    &self.exchange,
+                    StockRejected::MESSAGE_TYPE,
+                ),
+            Some(p) => topology
+                .partitioned(p)
+                .dead_letter_partitioned(p, &self.dead_letter_exchange)
+                .bind_partitioned(p, &self.exchange, StockReserved::MESSAGE_TYPE)
+                .bind_partitioned(p, &self.exchange, StockRejected::MESSAGE_TYPE),
+        }
     }
 }
 
@@ -110,14 +127,19 @@ pub fn check_url(url: &str) -> Result<String, Fail> {
 }
 
 /// A relay's transport: publishes to the shop's exchange, with confirms.
-/// Ordering's (`who` = `ordering`) routes by key hash to Warehouse's
-/// partitions when there are some: it publishes `OrderPlaced` only.
+/// With partitions, each module's transport routes by key hash to the
+/// other module's partitions: Ordering publishes `OrderPlaced` only,
+/// Warehouse its answers only.
 pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<RabbitTransport, Fail> {
     let mut config = RabbitTransport::builder(url)
         .with_default_exchange(&names.exchange)
         .with_connect_timeout(CONNECT_TIMEOUT)
         .with_connection_name(format!("minishop {who} relay"));
-    if let (Some(p), "ordering") = (&names.warehouse_partitions, who) {
+    let theirs = match who {
+        "ordering" => &names.warehouse_partitions,
+        _ => &names.ordering_partitions,
+    };
+    if let Some(p) = theirs {
         config = config.with_partitioned_exchange(&names.exchange, p.count());
     }
     config.build().await.context("connecting to RabbitMQ")
@@ -206,11 +228,12 @@ pub async fn consumer(
     spawn_consumer(RabbitConsumer::with_config(config, queue), what, module).await
 }
 
-/// Warehouse replica `replica` of `replicas`: consumes the partitions it
-/// owns into the shared `warehouse` inbox (one consumer name, so a message
-/// redelivered to another replica is a duplicate there too), and stands by
-/// for the others, taking one over within about a second when its owner
-/// dies and handing it back when the owner returns.
+/// Replica `replica` of `replicas` of `module` (Warehouse's processes; a
+/// single process with `(0, 1)`): consumes the partitions it owns into the
+/// module's shared inbox (one consumer name, so a message redelivered to
+/// another replica is a duplicate there too), and stands by for the
+/// others, taking one over within about a second when its owner dies and
+/// handing it back when the owner returns.
 pub async fn partitioned_consumer(
     url: &str,
     partitions: &Partitions,
@@ -274,11 +297,11 @@ pub async fn delete_isolated(url: &str, names: &AmqpNames) {
     let work = async {
         let conn = Connection::connect(url, ConnectionProperties::default()).await?;
         let ch = conn.create_channel().await?;
-        let partitions = names
-            .warehouse_partitions
-            .as_ref()
-            .map(Partitions::queues)
-            .unwrap_or_default();
+        let partitions: Vec<String> = [&names.warehouse_partitions, &names.ordering_partitions]
+            .into_iter()
+            .flatten()
+            .flat_map(Partitions::queues)
+            .collect();
         for q in [
             &names.warehouse_queue,
             &names.ordering_queue,

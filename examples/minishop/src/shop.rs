@@ -162,7 +162,11 @@ impl Shop {
                     }
                     Modules::OrderingOnly => None,
                 };
-                consumers.push(amqp::consumer(&url, &names.ordering_queue, ordering_inbox).await?);
+                consumers.push(match &names.ordering_partitions {
+                    // Every partition in this process, a worker each.
+                    Some(p) => amqp::partitioned_consumer(&url, p, (0, 1), ordering_inbox).await?,
+                    None => amqp::consumer(&url, &names.ordering_queue, ordering_inbox).await?,
+                });
                 let ordering_relay = spawn(
                     relay(
                         ordering.database().store(),
