@@ -89,12 +89,22 @@ async fn survivor_takes_over_a_killed_relays_leases_after_they_expire() {
         "seed {seed}: the victim held no lease when it was killed"
     );
 
-    check::wait_until(
-        "the survivor to deliver everything",
-        Duration::from_secs(60),
-        || pending(&conn) == 0,
-    )
-    .await;
+    // Polled here rather than with `check::wait_until`, so that a timeout
+    // shows what the survivor was doing (its log is gone with the test's
+    // directory once the test has panicked).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while pending(&conn) > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "seed {seed}: timed out after 60 s waiting for the survivor to deliver everything; \
+             {} pending, survivor running: {}, leases held by the survivor: {}; its log ends:\n{}",
+            pending(&conn),
+            survivor.is_running(),
+            leased_by(&conn, "survivor").len(),
+            check::log_tail(&survivor_log, 40)
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let elapsed = started.elapsed();
     survivor.stop(Duration::from_secs(10)).unwrap();
 
