@@ -221,24 +221,7 @@ impl OwnPostgres {
     /// WAL) and waits until it accepts connections on its port, for up to
     /// two minutes. `Err` includes the end of the server's log.
     pub fn start(&mut self) -> Result<(), String> {
-        let options = self.options();
-        let (data, log) = (self.data_dir(), self.log());
-        let timeout = START_TIMEOUT.as_secs().to_string();
-        let started = self.run(
-            "pg_ctl",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-l".as_ref(),
-                log.as_os_str(),
-                "-o".as_ref(),
-                options.as_ref(),
-                "-t".as_ref(),
-                timeout.as_ref(),
-                "-w".as_ref(),
-                "start".as_ref(),
-            ],
-        );
+        let started = self.pg_ctl_up(&["start"]);
         // Running or not, a server may be up from here on: the guard stops it.
         self.running = true;
         started.map_err(|e| format!("{e}\nserver log ends:\n{}", self.log_tail(30)))?;
@@ -276,33 +259,36 @@ impl OwnPostgres {
     /// ended, a checkpoint is written) and waits until it accepts
     /// connections again. `Err` includes the end of the server's log.
     pub fn restart(&mut self) -> Result<(), String> {
+        self.pg_ctl_up(&["-m", "fast", "restart"])
+            .and_then(|_| self.wait_until_ready())
+            .map_err(|e| {
+                format!(
+                    "restarting the server: {e}\nserver log ends:\n{}",
+                    self.log_tail(30)
+                )
+            })
+    }
+
+    /// `pg_ctl` bringing the server up (`start`, or `-m fast restart`, the
+    /// words given last), with its data directory, log, options and a
+    /// two-minute limit, waiting for the server to answer.
+    fn pg_ctl_up(&self, action: &[&str]) -> Result<Output, String> {
         let (data, log) = (self.data_dir(), self.log());
         let options = self.options();
         let timeout = START_TIMEOUT.as_secs().to_string();
-        self.run(
-            "pg_ctl",
-            &[
-                "-D".as_ref(),
-                data.as_os_str(),
-                "-l".as_ref(),
-                log.as_os_str(),
-                "-o".as_ref(),
-                options.as_ref(),
-                "-m".as_ref(),
-                "fast".as_ref(),
-                "-t".as_ref(),
-                timeout.as_ref(),
-                "-w".as_ref(),
-                "restart".as_ref(),
-            ],
-        )
-        .and_then(|_| self.wait_until_ready())
-        .map_err(|e| {
-            format!(
-                "restarting the server: {e}\nserver log ends:\n{}",
-                self.log_tail(30)
-            )
-        })
+        let mut args: Vec<&std::ffi::OsStr> = vec![
+            "-D".as_ref(),
+            data.as_os_str(),
+            "-l".as_ref(),
+            log.as_os_str(),
+            "-o".as_ref(),
+            options.as_ref(),
+            "-t".as_ref(),
+            timeout.as_ref(),
+            "-w".as_ref(),
+        ];
+        args.extend(action.iter().map(std::ffi::OsStr::new));
+        self.run("pg_ctl", &args)
     }
 
     /// The server's options: its port, socket directory, loopback only,

@@ -440,6 +440,24 @@ pub async fn in_state(pool: &PgPool, schema: &str, state: &str) -> Option<u64> {
     .await
 }
 
+/// Waits (up to 300 s) until the test's outbox in `schema` has nothing
+/// pending, then stops every relay gracefully (each must still be
+/// running); returns how long the drain took. `context` (the seed) starts
+/// every failure message.
+pub async fn drain_and_stop(
+    pool: &PgPool,
+    schema: &str,
+    children: &mut [crate::RelayChild],
+    context: &str,
+) -> Duration {
+    let drained = wait_until("the outbox to drain", Duration::from_secs(300), || async {
+        in_state(pool, schema, "pending").await.map(|n| n == 0)
+    })
+    .await;
+    crate::stop_all(children, Duration::from_secs(20), context);
+    drained
+}
+
 /// Messages of the test's outbox in `schema` that still carry a lease:
 /// after every relay stopped gracefully there must be none.
 pub async fn leased(pool: &PgPool, schema: &str) -> Option<u64> {

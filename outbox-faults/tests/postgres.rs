@@ -19,7 +19,7 @@ use outbox_faults::postgres::{
     self as pg, Enqueued, in_state, lazy_pool, log_problems_beyond_outages, terminate_one,
     with_application_name,
 };
-use outbox_faults::{ChildArgs, RelayChild, assert_all_running, stop_all};
+use outbox_faults::{ChildArgs, RelayChild, assert_all_running};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::{self, AssertSqlSafe};
 use outbox_postgres::testing::unique_schema;
@@ -186,16 +186,8 @@ async fn relays_survive_kills_ended_connections_and_a_server_restart() {
     enqueued.uncertain.extend(written.uncertain);
     let uncertain = enqueued.uncertain.len();
     let expected: Vec<Expected> = enqueued.settle(&admin, &schema).await.unwrap();
-    let drained = pg::wait_until("the outbox to drain", Duration::from_secs(300), || async {
-        in_state(&admin, &schema, "pending").await.map(|n| n == 0)
-    })
-    .await;
+    let drained = pg::drain_and_stop(&admin, &schema, &mut children, &format!("seed {seed}")).await;
     let elapsed = started.elapsed();
-    stop_all(
-        &mut children,
-        Duration::from_secs(20),
-        &format!("seed {seed}"),
-    );
 
     let report = pg::verify(&admin, &schema, &expected).await;
     let disruptions = kills + terminations + 1;

@@ -33,7 +33,7 @@ use outbox_faults::own_postgres::OwnPostgres;
 use outbox_faults::postgres::{
     self as pg, Enqueued, in_state, lazy_pool, log_problems_beyond_outages, with_application_name,
 };
-use outbox_faults::{ChildArgs, RelayChild, assert_all_running, stop_all};
+use outbox_faults::{ChildArgs, RelayChild, assert_all_running};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::{self, AssertSqlSafe, Row};
 use outbox_postgres::testing::unique_schema;
@@ -225,16 +225,8 @@ async fn relays_and_application_survive_two_server_crashes() {
     let uncertain_messages: usize = written.uncertain.iter().map(Vec::len).sum();
     let committed_for_certain = written.committed.len();
     let expected: Vec<Expected> = written.settle(&admin, &schema).await.unwrap();
-    let drained = pg::wait_until("the outbox to drain", Duration::from_secs(300), || async {
-        in_state(&admin, &schema, "pending").await.map(|n| n == 0)
-    })
-    .await;
+    let drained = pg::drain_and_stop(&admin, &schema, &mut children, &format!("seed {seed}")).await;
     let elapsed = started.elapsed();
-    stop_all(
-        &mut children,
-        Duration::from_secs(20),
-        &format!("seed {seed}"),
-    );
 
     let report = pg::verify(&admin, &schema, &expected).await;
     let poisoned = in_state(&admin, &schema, "poisoned").await.unwrap();
