@@ -1,11 +1,175 @@
-//! [`InboxOutcome`]: how one inbox transaction ended — the answer of every
-//! backend's `receive_once` (`SqliteOutbox::receive_once`,
-//! `PgOutbox::receive_once`), so that receivers (the RabbitMQ consumer, an
-//! application's in-process bus) settle a delivery the same way on each.
+//! The inbox contract: [`Inbox`] (receive a message id once, run the
+//! handler inside the inbox transaction, commit), [`InboxWork`] (what runs
+//! inside it) and [`InboxOutcome`] (how it ended), so that every receiver —
+//! the RabbitMQ consumer, a NATS consumer, an application's in-process bus
+//! — is written once against every store.
 
 use std::time::Duration;
 
-use crate::guard::HandlerOutcome;
+use async_trait::async_trait;
+
+use crate::dispatch::HandlerError;
+use crate::guard::{HandlerOutcome, TemporarilyUnavailable, run_guarded};
+use crate::{Error, ErrorKind, MessageId, Result, Timestamp};
+
+/// Where a receiver records what it received, so that at-least-once
+/// delivery gives exactly-once effects: implemented by every store
+/// (`MemoryInbox`, `SqliteInbox`, `PgInbox`) and used by every consumer
+/// (`RabbitConsumer`).
+///
+/// # Contract
+///
+/// [`receive_once`](Self::receive_once) runs **one transaction** of the
+/// store:
+///
+/// 1. begin (on SQLite `BEGIN IMMEDIATE`, so that it never fails half-way
+///    for a lock another writer took first);
+/// 2. record `(consumer, message_id)` in the inbox. Recorded before (and
+///    committed): roll back and answer [`InboxOutcome::Duplicate`] — `work`
+///    does **not** run;
+/// 3. run `work` with the open transaction's connection
+///    ([`Conn`](Self::Conn)), guarded by [`run_guarded`] (time limit
+///    `handler_timeout`, panics caught), its error classified by
+///    [`classify_handler_error`] (the same on every store);
+/// 4. commit when it succeeded ([`InboxOutcome::Committed`]); otherwise roll
+///    back, so that neither the inbox entry nor any effect of `work` (rows,
+///    replies enqueued with the store's outbox) remains.
+///
+/// A failure of the store itself (begin, inbox insert, commit) is
+/// [`InboxOutcome::StoreFailed`] and leaves nothing either. The caller
+/// acknowledges the message to its broker only after `Committed` or
+/// `Duplicate`, so a message is never lost: at worst it is received again,
+/// and then it is a `Duplicate`.
+///
+/// [`purge`](Self::purge) deletes at most `limit` entries received before
+/// `before`; a purged message received again runs its handler again, so
+/// entries must outlive every redelivery of their message.
+#[async_trait]
+pub trait Inbox: Send + Sync + 'static {
+    /// The connection `work` runs on, inside the inbox transaction:
+    /// `SqliteConnection`, `PgConnection`, `MemoryTransaction`.
+    type Conn: ?Sized + Send;
+
+    /// The inbox table as the store names it, for logs (`inbox`,
+    /// `shop.inbox`).
+    fn name(&self) -> String;
+
+    /// Receives `message_id` for `consumer` exactly once, running `work` in
+    /// the inbox transaction (see the trait's contract).
+    async fn receive_once(
+        &self,
+        consumer: &str,
+        message_id: MessageId,
+        handler_timeout: Duration,
+        work: &dyn InboxWork<Self::Conn>,
+    ) -> InboxOutcome;
+
+    /// Deletes at most `limit` entries received before `before`; returns
+    /// how many.
+    async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64>;
+}
+
+/// What runs inside an inbox transaction: a receiver's handler applied to
+/// one received message. Implemented by receivers (the RabbitMQ consumer
+/// binds its `InboxHandler` and the delivery); [`work_fn`] makes one of a
+/// closure.
+#[async_trait]
+pub trait InboxWork<Conn: ?Sized + Send>: Send + Sync {
+    /// The message's effects, done with `conn` (the open inbox
+    /// transaction). Do not commit or roll back; return every database
+    /// error met (a failed statement may have aborted the transaction).
+    async fn run(&self, conn: &mut Conn) -> std::result::Result<(), HandlerError>;
+}
+
+/// An [`InboxWork`] made of a closure returning a boxed future; see
+/// [`work_fn`].
+pub struct WorkFn<F>(F);
+
+impl<F> std::fmt::Debug for WorkFn<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("WorkFn")
+    }
+}
+
+/// The future a closure given to [`work_fn`] returns.
+pub type WorkFuture<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = std::result::Result<(), HandlerError>> + Send + 'a>,
+>;
+
+/// Turns a closure into an [`InboxWork`]:
+/// `work_fn(|conn: &mut SqliteConnection| -> WorkFuture<'_> { Box::pin(async move { … }) })`.
+pub fn work_fn<Conn, F>(f: F) -> WorkFn<F>
+where
+    Conn: ?Sized + Send,
+    F: for<'a> Fn(&'a mut Conn) -> WorkFuture<'a> + Send + Sync,
+{
+    WorkFn(f)
+}
+
+#[async_trait]
+impl<Conn, F> InboxWork<Conn> for WorkFn<F>
+where
+    Conn: ?Sized + Send,
+    F: for<'a> Fn(&'a mut Conn) -> WorkFuture<'a> + Send + Sync,
+{
+    async fn run(&self, conn: &mut Conn) -> std::result::Result<(), HandlerError> {
+        (self.0)(conn).await
+    }
+}
+
+/// The one classification of a handler's error, on every store: an error
+/// whose source chain holds an [`Error`] of kind
+/// [`Unavailable`](ErrorKind::Unavailable), or a driver error that
+/// `driver_unavailable` says means "the database is unavailable or busy,
+/// try later" (connection lost, pool timed out, lock busy, deadlock,
+/// serialization failure), becomes [`TemporarilyUnavailable`]: retried
+/// later **without** counting an attempt, since an outage of the database
+/// is not the message's fault. Anything else is returned as it is.
+pub fn classify_handler_error(
+    error: HandlerError,
+    driver_unavailable: impl Fn(&(dyn std::error::Error + 'static)) -> bool,
+) -> HandlerError {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(&*error);
+    let mut unavailable = false;
+    while let Some(e) = next {
+        if e.downcast_ref::<TemporarilyUnavailable>().is_some() {
+            return error;
+        }
+        if driver_unavailable(e)
+            || e.downcast_ref::<Error>()
+                .is_some_and(|ours| ours.kind() == ErrorKind::Unavailable)
+        {
+            unavailable = true;
+        }
+        next = e.source();
+    }
+    if unavailable {
+        TemporarilyUnavailable::caused_by(error).into()
+    } else {
+        error
+    }
+}
+
+/// Runs a handler inside an inbox transaction: guarded by [`run_guarded`]
+/// (`timeout`, panics caught), its error classified by
+/// [`classify_handler_error`]. `None` when it succeeded (commit); the
+/// outcome to answer after rolling back otherwise. Every store's
+/// `receive_once` runs its handler through this.
+pub async fn run_inbox_handler<F>(
+    timeout: Duration,
+    handler: F,
+    driver_unavailable: impl Fn(&(dyn std::error::Error + 'static)) -> bool,
+) -> Option<InboxOutcome>
+where
+    F: std::future::Future<Output = std::result::Result<(), HandlerError>>,
+{
+    let run = async {
+        handler
+            .await
+            .map_err(|e| classify_handler_error(e, &driver_unavailable))
+    };
+    InboxOutcome::unless_succeeded(run_guarded(timeout, run).await)
+}
 
 /// How one inbox transaction (record the message in the inbox, run its
 /// handler, commit) ended.

@@ -1,5 +1,5 @@
-//! In-memory backend of outbox-rs: a [`MemoryStore`] with transactions and an
-//! inbox, and a [`MemoryTransport`] with fault injection.
+//! In-memory backend of outbox-rs: a [`MemoryStore`] with transactions, its
+//! [`MemoryInbox`], and a [`MemoryTransport`] with fault injection.
 //!
 //! It is the reference implementation of the contracts in `outbox-api` and
 //! the backend for unit tests: application code that enqueues can be tested
@@ -20,10 +20,12 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod inbox;
 mod store;
 #[cfg(feature = "testing")]
 mod testing;
 mod transport;
 
+pub use inbox::MemoryInbox;
 pub use store::{MemoryStore, MemoryTransaction};
 pub use transport::{MemoryTransport, MemoryTransportHandle};

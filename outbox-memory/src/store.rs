@@ -87,12 +87,22 @@ impl MemoryStore {
             .contains_key(&(consumer.to_owned(), message_id))
     }
 
-    /// Deletes inbox entries received before `before`; returns how many.
-    pub fn purge_inbox(&self, before: Timestamp) -> u64 {
+    /// Deletes at most `limit` inbox entries received before `before`
+    /// (oldest first); returns how many.
+    pub fn purge_inbox(&self, before: Timestamp, limit: usize) -> u64 {
         let mut inner = self.lock();
-        let n = inner.inbox.len();
-        inner.inbox.retain(|_, at| *at >= before);
-        (n - inner.inbox.len()) as u64
+        let mut old: Vec<(Timestamp, (String, MessageId))> = inner
+            .inbox
+            .iter()
+            .filter(|(_, at)| **at < before)
+            .map(|(pair, at)| (*at, pair.clone()))
+            .collect();
+        old.sort();
+        old.truncate(limit);
+        for (_, pair) in &old {
+            inner.inbox.remove(pair);
+        }
+        old.len() as u64
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

@@ -1,12 +1,12 @@
-//! The memory store under the conformance suite (feature `testing`).
+//! The memory store and inbox under the conformance suites (feature `testing`).
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_api::testing::StoreUnderTest;
-use outbox_api::{MessageId, NewMessage, OperatorStore, Result};
+use outbox_api::testing::{InboxUnderTest, StoreUnderTest};
+use outbox_api::{Error, HandlerError, MessageId, NewMessage, OperatorStore, Result, Store};
 
-use crate::MemoryStore;
+use crate::{MemoryInbox, MemoryStore, MemoryTransaction};
 
 #[async_trait]
 impl StoreUnderTest for MemoryStore {
@@ -30,5 +30,32 @@ impl StoreUnderTest for MemoryStore {
             tx.enqueue(m).expect("valid message");
         }
         tx.rollback();
+    }
+}
+
+#[async_trait]
+impl InboxUnderTest for MemoryInbox {
+    type Inbox = MemoryInbox;
+
+    fn inbox(&self) -> &MemoryInbox {
+        self
+    }
+
+    fn store(&self) -> Arc<dyn Store> {
+        Arc::new(self.store().clone())
+    }
+
+    async fn enqueue_in(
+        &self,
+        conn: &mut MemoryTransaction,
+        message: NewMessage,
+    ) -> std::result::Result<(), HandlerError> {
+        conn.enqueue(message)?;
+        Ok(())
+    }
+
+    fn driver_unavailable_error(&self) -> HandlerError {
+        // No driver: the store's own error is what a handler meets.
+        Error::unavailable("the memory store is unavailable").into()
     }
 }

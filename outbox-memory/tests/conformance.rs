@@ -5,13 +5,21 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use outbox_api::testing::TransportUnderTest;
 use outbox_api::{Message, MessageId, MessageKind, NewMessage, Timestamp, Transport};
-use outbox_memory::{MemoryStore, MemoryTransport, MemoryTransportHandle};
+use outbox_memory::{MemoryInbox, MemoryStore, MemoryTransport, MemoryTransportHandle};
 
 async fn memory_store() -> MemoryStore {
     MemoryStore::new()
 }
 
 outbox_api::store_conformance_tests!(memory_store);
+
+async fn memory_inbox() -> MemoryInbox {
+    MemoryInbox::new(MemoryStore::new())
+}
+
+mod inbox {
+    outbox_api::inbox_conformance_tests!(super::memory_inbox);
+}
 
 struct MemTransport(MemoryTransport, MemoryTransportHandle);
 

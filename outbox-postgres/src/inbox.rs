@@ -1,18 +1,90 @@
 //! The inbox transaction on PostgreSQL: record a received message and run
 //! its handler in one transaction, so that at-least-once delivery gives
-//! exactly-once effects. The RabbitMQ consumer (feature `postgres-inbox` of
-//! outbox-rabbitmq) and applications' own receivers use this one helper,
-//! the mirror of `SqliteOutbox::receive_once`.
+//! exactly-once effects: [`PgOutbox::receive_once`] for a closure, and
+//! [`PgInbox`], the [`Inbox`] contract that receivers (the RabbitMQ
+//! consumer) are written against, on top of it — the mirror of
+//! `SqliteOutbox::receive_once` and `SqliteInbox`.
 
 use std::time::Duration;
 
+use async_trait::async_trait;
+#[cfg(doc)]
+use outbox_api::TemporarilyUnavailable;
 use outbox_api::{
-    ErrorKind, HandlerError, InboxOutcome, MessageId, TemporarilyUnavailable, run_guarded,
+    Error, ErrorKind, HandlerError, Inbox, InboxOutcome, InboxWork, MessageId, Result, Timestamp,
+    run_inbox_handler,
 };
 use sqlx::{PgConnection, PgPool};
 
 use crate::PgOutbox;
 use crate::error::error_kind;
+
+/// The inbox of a PostgreSQL outbox, on the application's pool: the
+/// [`Inbox`] contract, each message in one transaction of `pool`
+/// ([`PgOutbox::receive_once`]). One connection per message in flight, one
+/// more while a purge runs.
+#[derive(Debug, Clone)]
+pub struct PgInbox {
+    outbox: PgOutbox,
+    pool: PgPool,
+}
+
+impl PgInbox {
+    /// The inbox of `outbox`, whose transactions run on `pool` (the
+    /// application's sqlx pool on the same database; the handler's effects
+    /// and replies go through it).
+    pub fn new(outbox: PgOutbox, pool: PgPool) -> Self {
+        PgInbox { outbox, pool }
+    }
+
+    /// The outbox the handler enqueues replies with.
+    pub fn outbox(&self) -> &PgOutbox {
+        &self.outbox
+    }
+
+    /// The pool the inbox transactions run on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+}
+
+#[async_trait]
+impl Inbox for PgInbox {
+    type Conn = PgConnection;
+
+    fn name(&self) -> String {
+        self.outbox.inbox_display()
+    }
+
+    async fn receive_once(
+        &self,
+        consumer: &str,
+        message_id: MessageId,
+        handler_timeout: Duration,
+        work: &dyn InboxWork<PgConnection>,
+    ) -> InboxOutcome {
+        self.outbox
+            .receive_once(
+                &self.pool,
+                consumer,
+                message_id,
+                handler_timeout,
+                async |tx| work.run(tx).await,
+            )
+            .await
+    }
+
+    async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64> {
+        let mut conn = self.pool.acquire().await.map_err(|e| {
+            Error::new(
+                error_kind(&e),
+                format!("purging the inbox `{}`: no connection", self.name()),
+            )
+            .with_source(e)
+        })?;
+        self.outbox.purge_inbox(&mut conn, before, limit).await
+    }
+}
 
 impl PgOutbox {
     /// Receives `message_id` for `consumer` exactly once, in one transaction
@@ -25,7 +97,7 @@ impl PgOutbox {
     ///    another transaction holds the same pair uncommitted, this one
     ///    waits for it, then is a duplicate if it committed);
     /// 3. run `handler` with the open transaction, guarded by
-    ///    [`run_guarded`] (time limit `handler_timeout`, panics caught);
+    ///    [`run_inbox_handler`] (time limit `handler_timeout`, panics caught);
     /// 4. when it succeeded, check that the transaction is still usable (a
     ///    handler that swallowed an SQL error leaves it aborted, and
     ///    PostgreSQL would answer the `COMMIT` with a silent rollback), then
@@ -95,17 +167,8 @@ impl PgOutbox {
                 return InboxOutcome::StoreFailed(outbox_api::error_chain(&e));
             }
         }
-        let run = async {
-            handler(&mut tx).await.map_err(|e| {
-                if database_unavailable(&*e) {
-                    TemporarilyUnavailable::caused_by(e).into()
-                } else {
-                    e
-                }
-            })
-        };
-        let outcome = run_guarded(handler_timeout, run).await;
-        if let Some(outcome) = InboxOutcome::unless_succeeded(outcome) {
+        let run = handler(&mut tx);
+        if let Some(outcome) = run_inbox_handler(handler_timeout, run, driver_unavailable).await {
             let _ = tx.rollback().await;
             return outcome;
         }
@@ -132,22 +195,10 @@ impl PgOutbox {
     }
 }
 
-/// Whether `error`'s source chain holds a database error that says "try
-/// again later".
-fn database_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
-    let mut next = Some(error);
-    while let Some(e) = next {
-        if let Some(sqlx) = e.downcast_ref::<sqlx::Error>() {
-            if error_kind(sqlx) == ErrorKind::Unavailable {
-                return true;
-            }
-        }
-        if let Some(ours) = e.downcast_ref::<outbox_api::Error>() {
-            if ours.kind() == ErrorKind::Unavailable {
-                return true;
-            }
-        }
-        next = e.source();
-    }
-    false
+/// Whether a driver error says the database is unavailable or busy: the
+/// PostgreSQL half of [`outbox_api::classify_handler_error`].
+fn driver_unavailable(error: &(dyn std::error::Error + 'static)) -> bool {
+    error
+        .downcast_ref::<sqlx::Error>()
+        .is_some_and(|e| error_kind(e) == ErrorKind::Unavailable)
 }

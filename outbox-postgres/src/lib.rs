@@ -26,6 +26,7 @@ pub use builder::{
 };
 pub use error::error_kind;
 pub use floor::DEFAULT_FLOOR_STEP;
+pub use inbox::PgInbox;
 pub use listener::{PgWorkListener, WakeUp};
 pub use outbox::{PgEnqueue, PgOutbox};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};

@@ -5,16 +5,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
-use outbox_api::testing::{Service, StoreUnderTest, service_url};
+use outbox_api::testing::{InboxUnderTest, Service, StoreUnderTest, service_url};
 use std::time::Duration;
 
 use outbox_api::{
-    ClaimRequest, Clock, MessageId, MessageKind, NewMessage, OperatorStore, Result, Timestamp,
+    ClaimRequest, Clock, HandlerError, MessageId, MessageKind, NewMessage, OperatorStore, Result,
+    Store, Timestamp,
 };
-use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgConnection, PgPool};
 
-use crate::{PgStore, PgStoreBuilder};
+use crate::{PgInbox, PgStore, PgStoreBuilder};
 
 /// The test database's URL: `OUTBOX_PG_URL`, else the local default if it
 /// answers; otherwise the test fails saying how to provide one.
@@ -48,6 +49,7 @@ pub struct PgUnderTest {
     schema: String,
     store: PgStore,
     pool: PgPool,
+    inbox: PgInbox,
 }
 
 impl std::fmt::Debug for PgUnderTest {
@@ -95,11 +97,13 @@ impl PgUnderTest {
             .connect(&tagged)
             .await
             .expect("application pool");
+        let inbox = PgInbox::new(store.outbox(), pool.clone());
         PgUnderTest {
             url,
             schema,
             store,
             pool,
+            inbox,
         }
     }
 
@@ -243,5 +247,31 @@ impl StoreUnderTest for PgUnderTest {
             outbox.enqueue(&mut tx, m).await.expect("enqueue");
         }
         tx.rollback().await.expect("rollback");
+    }
+}
+
+#[async_trait]
+impl InboxUnderTest for PgUnderTest {
+    type Inbox = PgInbox;
+
+    fn inbox(&self) -> &PgInbox {
+        &self.inbox
+    }
+
+    fn store(&self) -> Arc<dyn Store> {
+        Arc::new(self.store.clone())
+    }
+
+    async fn enqueue_in(
+        &self,
+        conn: &mut PgConnection,
+        message: NewMessage,
+    ) -> std::result::Result<(), HandlerError> {
+        self.inbox.outbox().enqueue(conn, message).await?;
+        Ok(())
+    }
+
+    fn driver_unavailable_error(&self) -> HandlerError {
+        sqlx::Error::PoolTimedOut.into()
     }
 }

@@ -8,3 +8,7 @@ async fn sut() -> PgUnderTest {
 }
 
 outbox_api::store_conformance_tests!(sut);
+
+mod inbox {
+    outbox_api::inbox_conformance_tests!(super::sut);
+}

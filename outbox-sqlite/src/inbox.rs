@@ -1,14 +1,78 @@
 //! The inbox transaction: record a received message and run its handler in
 //! one SQLite transaction, so that at-least-once delivery gives
-//! exactly-once effects. Every receiver (the RabbitMQ consumer, an
-//! application's in-process bus) uses this one helper.
+//! exactly-once effects: [`SqliteOutbox::receive_once`] for a closure, and
+//! [`SqliteInbox`], the [`Inbox`] contract that receivers (the RabbitMQ
+//! consumer) are written against, on top of it.
 
 use std::time::Duration;
 
-use outbox_api::{HandlerError, InboxOutcome, MessageId, run_guarded};
+use async_trait::async_trait;
+use outbox_api::{
+    HandlerError, Inbox, InboxOutcome, InboxWork, MessageId, Result, Timestamp, run_inbox_handler,
+};
 use sqlx::{SqliteConnection, SqlitePool};
 
 use crate::SqliteOutbox;
+use crate::error::driver_unavailable;
+
+/// The inbox of a SQLite outbox, on the application's pool: the [`Inbox`]
+/// contract, each message in one `BEGIN IMMEDIATE` transaction of `pool`
+/// ([`SqliteOutbox::receive_once`]).
+#[derive(Debug, Clone)]
+pub struct SqliteInbox {
+    outbox: SqliteOutbox,
+    pool: SqlitePool,
+}
+
+impl SqliteInbox {
+    /// The inbox of `outbox`, whose transactions run on `pool` (the
+    /// application's sqlx pool on the same database file; the handler's
+    /// effects and replies go through it).
+    pub fn new(outbox: SqliteOutbox, pool: SqlitePool) -> Self {
+        SqliteInbox { outbox, pool }
+    }
+
+    /// The outbox the handler enqueues replies with.
+    pub fn outbox(&self) -> &SqliteOutbox {
+        &self.outbox
+    }
+
+    /// The pool the inbox transactions run on.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+}
+
+#[async_trait]
+impl Inbox for SqliteInbox {
+    type Conn = SqliteConnection;
+
+    fn name(&self) -> String {
+        self.outbox.inbox_table().to_owned()
+    }
+
+    async fn receive_once(
+        &self,
+        consumer: &str,
+        message_id: MessageId,
+        handler_timeout: Duration,
+        work: &dyn InboxWork<SqliteConnection>,
+    ) -> InboxOutcome {
+        self.outbox
+            .receive_once(
+                &self.pool,
+                consumer,
+                message_id,
+                handler_timeout,
+                async |tx| work.run(tx).await,
+            )
+            .await
+    }
+
+    async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64> {
+        self.outbox.purge_inbox(&self.pool, before, limit).await
+    }
+}
 
 impl SqliteOutbox {
     /// Receives `message_id` for `consumer` exactly once, in one transaction
@@ -77,9 +141,8 @@ impl SqliteOutbox {
                 return InboxOutcome::StoreFailed(e.to_string());
             }
         }
-        let outcome = run_guarded(handler_timeout, handler(&mut tx)).await;
-        let not_committed = InboxOutcome::unless_succeeded(outcome);
-        if let Some(outcome) = not_committed {
+        let run = handler(&mut tx);
+        if let Some(outcome) = run_inbox_handler(handler_timeout, run, driver_unavailable).await {
             let _ = tx.rollback().await;
             return outcome;
         }

@@ -18,6 +18,7 @@ pub mod testing;
 
 pub use builder::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStoreBuilder};
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
+pub use inbox::SqliteInbox;
 pub use listener::SqliteListener;
 pub use outbox::{SqliteOutbox, SqlxEnqueue};
 /// How one [`SqliteOutbox::receive_once`] ended (defined in `outbox-api`,

@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use outbox_api::testing::StoreUnderTest;
-use outbox_api::{Clock, MessageId, NewMessage, OperatorStore, Result};
+use outbox_api::testing::{InboxUnderTest, StoreUnderTest};
+use outbox_api::{Clock, HandlerError, MessageId, NewMessage, OperatorStore, Result, Store};
+use sqlx::SqliteConnection;
 use sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 
-use crate::SqliteStore;
+use crate::{SqliteInbox, SqliteStore};
 
 /// A fresh SQLite outbox in its own temporary directory (deleted on drop),
 /// with a sqlx pool for the application's transactions.
@@ -17,6 +18,7 @@ pub struct SqlxUnderTest {
     dir: tempfile::TempDir,
     store: SqliteStore,
     pool: SqlitePool,
+    inbox: SqliteInbox,
 }
 
 impl SqlxUnderTest {
@@ -37,7 +39,13 @@ impl SqlxUnderTest {
             .connect_with(SqliteConnectOptions::new().filename(store.path()))
             .await
             .expect("sqlx pool");
-        SqlxUnderTest { dir, store, pool }
+        let inbox = SqliteInbox::new(store.outbox(), pool.clone());
+        SqlxUnderTest {
+            dir,
+            store,
+            pool,
+            inbox,
+        }
     }
 
     /// The store.
@@ -84,5 +92,31 @@ impl StoreUnderTest for SqlxUnderTest {
             outbox.enqueue(&mut *tx, m).await.expect("enqueue");
         }
         tx.rollback().await.expect("rollback");
+    }
+}
+
+#[async_trait]
+impl InboxUnderTest for SqlxUnderTest {
+    type Inbox = SqliteInbox;
+
+    fn inbox(&self) -> &SqliteInbox {
+        &self.inbox
+    }
+
+    fn store(&self) -> Arc<dyn Store> {
+        Arc::new(self.store.clone())
+    }
+
+    async fn enqueue_in(
+        &self,
+        conn: &mut SqliteConnection,
+        message: NewMessage,
+    ) -> std::result::Result<(), HandlerError> {
+        self.inbox.outbox().enqueue(&mut *conn, message).await?;
+        Ok(())
+    }
+
+    fn driver_unavailable_error(&self) -> HandlerError {
+        sqlx::Error::PoolTimedOut.into()
     }
 }

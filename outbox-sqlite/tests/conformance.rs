@@ -27,6 +27,10 @@ mod sqlx_driver {
     }
 
     outbox_api::store_conformance_tests!(sut);
+
+    mod inbox {
+        outbox_api::inbox_conformance_tests!(super::sut);
+    }
 }
 
 mod rusqlite_driver {

@@ -1,17 +1,21 @@
 //! The conformance suite (feature `testing`): plain async functions, one per
-//! contract clause, that every [`Store`](crate::Store) and
-//! [`Transport`](crate::Transport) runs.
+//! contract clause, that every [`Store`](crate::Store),
+//! [`Inbox`](crate::Inbox) and [`Transport`](crate::Transport) runs.
 //!
-//! A backend implements [`StoreUnderTest`] (or [`TransportUnderTest`]) and
-//! calls [`store_conformance_tests!`](crate::store_conformance_tests) (or
+//! A backend implements [`StoreUnderTest`] (or [`InboxUnderTest`],
+//! [`TransportUnderTest`]) and calls
+//! [`store_conformance_tests!`](crate::store_conformance_tests) (or
+//! [`inbox_conformance_tests!`](crate::inbox_conformance_tests),
 //! [`transport_conformance_tests!`](crate::transport_conformance_tests)) in
 //! its tests, which expands to one `#[test]` per clause.
 
+pub mod inbox;
 pub mod metrics;
 pub mod services;
 pub mod store;
 pub mod transport;
 
+pub use inbox::InboxUnderTest;
 pub use metrics::TestRecorder;
 pub use services::{Service, service_url};
 pub use store::StoreUnderTest;
