@@ -21,12 +21,12 @@ pub use outbox_api::testing;
 pub use outbox_api::trace;
 pub use outbox_api::{
     Backlog, ClaimRequest, Clock, Destination, Dispatcher, Enqueue, Error, ErrorKind, FailOutcome,
-    Failure, Handler, HandlerError, HandlerOutcome, Handlers, HealthReport, HealthStatus,
-    ListQuery, ManualClock, Message, MessageContext, MessageId, MessageKind, MessageState,
-    NewMessage, NoHandler, OperatorStore, OutboxMessage, Outcome, Release, Result, RetryPolicy,
-    Stats, Store, SystemClock, TemporarilyUnavailable, Timestamp, TokioClock, Transport,
-    TransportHealth, WorkListener, error_chain, is_valid_traceparent, limits, panic_message,
-    run_guarded,
+    Failure, Handler, HandlerError, HandlerOutcome, Handlers, HealthReport, HealthStatus, Inbox,
+    InboxOutcome, InboxWork, ListQuery, ManualClock, Message, MessageContext, MessageId,
+    MessageKind, MessageState, NewMessage, NoHandler, OperatorStore, OutboxMessage, Outcome,
+    Release, Result, RetryPolicy, Stats, Store, SystemClock, TemporarilyUnavailable, Timestamp,
+    TokioClock, Transport, TransportHealth, WorkListener, error_chain, is_valid_traceparent,
+    limits, panic_message, run_guarded,
 };
 
 /// The in-memory backend (feature `memory`).

@@ -132,7 +132,7 @@ fn without_a_span_nothing_is_captured() {
 struct TraceRecorder(Arc<Mutex<Vec<Option<String>>>>);
 
 #[async_trait]
-impl InboxHandler for TraceRecorder {
+impl InboxHandler<SqliteConnection> for TraceRecorder {
     async fn handle(
         &self,
         _msg: &Received,
@@ -170,8 +170,7 @@ async fn trace_id_continues_across_rabbitmq() {
     let recorder = TraceRecorder::default();
     let consumer = RabbitConsumer::builder(url.clone(), queue.as_str())
         .spawn(
-            receiver.sqlite().outbox(),
-            receiver.pool().clone(),
+            outbox_sqlite::SqliteInbox::new(receiver.sqlite().outbox(), receiver.pool().clone()),
             recorder.clone(),
         )
         .await

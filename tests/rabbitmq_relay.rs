@@ -225,12 +225,19 @@ impl Receiver {
             .expect("count inbox")
     }
 
-    async fn consume(&self, broker: &Broker, handler: impl InboxHandler) -> ConsumerHandle {
+    async fn consume(
+        &self,
+        broker: &Broker,
+        handler: impl InboxHandler<SqliteConnection>,
+    ) -> ConsumerHandle {
         RabbitConsumer::builder(amqp_url(), broker.queue.as_str())
             .consumer_name("warehouse")
             .retry_delay(Duration::from_millis(20))
             .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(500))
-            .spawn(self.db.sqlite().outbox(), self.pool.clone(), handler)
+            .spawn(
+                outbox_sqlite::SqliteInbox::new(self.db.sqlite().outbox(), self.pool.clone()),
+                handler,
+            )
             .await
             .expect("start the consumer")
     }
@@ -248,7 +255,7 @@ struct Recorder {
 }
 
 #[async_trait]
-impl InboxHandler for Recorder {
+impl InboxHandler<SqliteConnection> for Recorder {
     async fn handle(&self, msg: &Received, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.seen.lock().unwrap().push(msg.clone());
@@ -788,8 +795,7 @@ async fn failing_handler_is_retried_then_dead_lettered() {
         .max_attempts(3)
         .retry_delay(Duration::from_millis(20))
         .spawn(
-            receiver.db.sqlite().outbox(),
-            receiver.pool.clone(),
+            outbox_sqlite::SqliteInbox::new(receiver.db.sqlite().outbox(), receiver.pool.clone()),
             recorder.clone(),
         )
         .await
@@ -879,8 +885,7 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
 
     let err = RabbitConsumer::builder(url.as_str(), broker.queue.as_str())
         .spawn(
-            receiver.db.sqlite().outbox(),
-            receiver.pool.clone(),
+            outbox_sqlite::SqliteInbox::new(receiver.db.sqlite().outbox(), receiver.pool.clone()),
             Recorder::default(),
         )
         .await
@@ -908,8 +913,7 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
     let missing = unique_name("missing");
     let err = RabbitConsumer::builder(amqp_url(), missing.as_str())
         .spawn(
-            receiver.db.sqlite().outbox(),
-            receiver.pool.clone(),
+            outbox_sqlite::SqliteInbox::new(receiver.db.sqlite().outbox(), receiver.pool.clone()),
             Recorder::default(),
         )
         .await

@@ -48,7 +48,7 @@ use crate::{Error, ErrorKind, MessageId, Result, Timestamp};
 pub trait Inbox: Send + Sync + 'static {
     /// The connection `work` runs on, inside the inbox transaction:
     /// `SqliteConnection`, `PgConnection`, `MemoryTransaction`.
-    type Conn: ?Sized + Send;
+    type Conn: ?Sized + Send + 'static;
 
     /// The inbox table as the store names it, for logs (`inbox`,
     /// `shop.inbox`).

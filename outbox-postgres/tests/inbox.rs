@@ -5,9 +5,7 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use outbox_api::{
-    HandlerError, InboxOutcome, MessageId, MessageKind, NewMessage, Store, TemporarilyUnavailable,
-};
+use outbox_api::{HandlerError, InboxOutcome, MessageId, MessageKind, NewMessage, Store};
 use outbox_postgres::sqlx::{self, PgConnection};
 use outbox_postgres::testing::PgUnderTest;
 
@@ -198,31 +196,6 @@ async fn failure_panic_timeout_and_a_swallowed_sql_error_roll_back_so_a_retry_ru
         1,
         "one reply, from the commit"
     );
-}
-
-#[tokio::test]
-async fn unavailable_rolls_back_and_keeps_the_requested_delay() {
-    let db = Db::new().await;
-    let schema = db.f.schema().to_owned();
-    let id = MessageId::new();
-    let outcome = db
-        .receive("billing", id, LIMIT, async |tx| {
-            effect(&schema, tx, id).await?;
-            Err(
-                TemporarilyUnavailable::new("the payment service answers 503")
-                    .retry_after(Duration::from_secs(2))
-                    .into(),
-            )
-        })
-        .await;
-    assert_eq!(
-        outcome,
-        InboxOutcome::HandlerUnavailable {
-            reason: "temporarily unavailable: the payment service answers 503".into(),
-            retry_after: Some(Duration::from_secs(2)),
-        }
-    );
-    assert_eq!(db.rows().await, (0, 0));
 }
 
 #[tokio::test]

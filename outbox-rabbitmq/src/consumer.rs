@@ -1,10 +1,10 @@
-//! [`RabbitConsumer`]: consumes a queue into an inbox on SQLite (feature
-//! `sqlite-inbox`) or PostgreSQL (feature `postgres-inbox`), so that
+//! [`RabbitConsumer`]: consumes a queue into any store's
+//! [`Inbox`](outbox_api::Inbox) (memory, SQLite, PostgreSQL), so that
 //! at-least-once delivery gives exactly-once effects.
 //!
 //! One concern per module: [`builder`] (settings, checks, spawn),
-//! [`inbox`] (the one enum over the inbox backends: their inbox
-//! transaction and purge),
+//! [`inbox`] (the store's inbox bound to the handler, one type for every
+//! store),
 //! [`received`] (the decoded delivery), [`handler`] (the application's
 //! handler), [`session`] (connect, consume, reconnect), [`settle`] (run the
 //! inbox transaction, then acknowledge, retry or dead-letter), [`order`]

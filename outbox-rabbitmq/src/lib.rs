@@ -3,7 +3,6 @@
 #![warn(missing_docs)]
 
 mod config;
-#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 mod consumer;
 pub mod metrics;
 mod partition;
@@ -17,20 +16,12 @@ pub use partition::{MAX_PARTITIONS, Partitions};
 pub use topology::{ExchangeType, QueueType, Topology};
 pub use transport::{KEY_HEADER, RabbitTransport, TRACEPARENT_HEADER};
 
-#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 pub use consumer::{
     ConsumerHandle, ConsumerStats, FnHandler, HandlerFuture, InboxHandler, RabbitConsumer,
     RabbitConsumerBuilder, Received, handler_fn,
 };
 /// The handler error type of [`InboxHandler`] (any boxed error).
-#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 pub use outbox_api::HandlerError;
-/// The PostgreSQL backend the consumer's inbox lives in (and its `sqlx`), re-exported.
-#[cfg(feature = "postgres-inbox")]
-pub use outbox_postgres as postgres;
-/// The SQLite backend the consumer's inbox lives in (and its `sqlx`), re-exported.
-#[cfg(feature = "sqlite-inbox")]
-pub use outbox_sqlite as sqlite;
 
 /// The AMQP client this crate is built on, for code that needs its types
 /// (e.g. [`Topology::declare_on`] takes a `lapin::Channel`).

@@ -1,5 +1,4 @@
-//! The names and labels of the metrics `RabbitConsumer` records (feature
-//! `sqlite-inbox`), through the [`metrics`](https://docs.rs/metrics)
+//! The names and labels of the metrics `RabbitConsumer` records, through the [`metrics`](https://docs.rs/metrics)
 //! facade: install a recorder (e.g. `metrics-exporter-prometheus`) before
 //! spawning consumers; without one, recording is a no-op. The relay's own
 //! metrics are in `outbox::metrics`.
@@ -69,7 +68,6 @@ pub fn describe() {
 }
 
 /// A consumer's handles, registered when it starts.
-#[cfg(feature = "sqlite-inbox")]
 #[derive(Debug)]
 pub(crate) struct ConsumerMeter {
     pub(crate) received: metrics::Counter,
@@ -80,7 +78,6 @@ pub(crate) struct ConsumerMeter {
     pub(crate) process: metrics::Histogram,
 }
 
-#[cfg(feature = "sqlite-inbox")]
 impl ConsumerMeter {
     pub(crate) fn new(queue: &str, consumer: &str) -> Self {
         let base = [

@@ -17,7 +17,6 @@ use tokio::time::timeout;
 use crate::config::RabbitConfig;
 use crate::topology::Topology;
 use link::State;
-#[cfg(any(feature = "sqlite-inbox", feature = "postgres-inbox"))]
 pub(crate) use link::{backoff, connect_error};
 
 /// The AMQP header carrying the message's ordering key.

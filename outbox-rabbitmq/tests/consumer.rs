@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use outbox_api::testing::wait_until;
 use outbox_api::{MessageId, TemporarilyUnavailable};
-use outbox_rabbitmq::sqlite::sqlx::{self, SqliteConnection};
 use outbox_rabbitmq::testing::{TcpProxy, amqp_url, broker_addr, url_via};
 use outbox_rabbitmq::{HandlerFuture, RabbitConsumer, Received, handler_fn};
+use outbox_sqlite::sqlx::{self, SqliteConnection};
 use outbox_sqlite::testing::SqlxUnderTest;
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -59,7 +59,10 @@ async fn closures_are_handlers_and_the_consumer_reconnects_after_a_cut() {
         .prefetch(8)
         .connect_timeout(Duration::from_secs(2))
         .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
-        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .spawn(
+            outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+            handler,
+        )
         .await
         .expect("start the consumer");
     assert!(consumer.is_connected());
@@ -130,7 +133,10 @@ async fn shutdown_finishes_the_delivery_in_flight_and_returns_the_rest() {
         queue.publish(MessageId::new()).await;
     }
     let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
-        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .spawn(
+            outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+            handler,
+        )
         .await
         .unwrap();
     tokio::time::timeout(DEADLINE, started.notified())
@@ -166,7 +172,10 @@ async fn inbox_entries_past_retention_are_purged_while_consuming() {
     let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .inbox_retention(Some(Duration::from_secs(2)))
         .inbox_purge_interval(Duration::from_millis(20))
-        .spawn(outbox, db.pool().clone(), handler)
+        .spawn(
+            outbox_sqlite::SqliteInbox::new(outbox, db.pool().clone()),
+            handler,
+        )
         .await
         .expect("start the consumer");
     let count = || {
@@ -250,7 +259,10 @@ async fn an_unavailable_handler_is_retried_uncounted_and_never_dead_lettered() {
     let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .max_attempts(2)
         .unavailable_backoff(Duration::from_millis(5), Duration::from_millis(40))
-        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .spawn(
+            outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+            handler,
+        )
         .await
         .expect("start the consumer");
     let id = MessageId::new();
@@ -345,7 +357,10 @@ async fn a_retry_holds_back_its_key_only_and_keeps_its_order() {
     let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .max_attempts(5)
         .retry_delay(retry_delay)
-        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .spawn(
+            outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+            handler,
+        )
         .await
         .expect("start the consumer");
     queue.publish_keyed("K", "K:0").await;
@@ -394,7 +409,10 @@ async fn a_dead_lettered_head_releases_the_rest_of_its_key_in_order() {
     let consumer = RabbitConsumer::builder(amqp_url(), queue.name.as_str())
         .max_attempts(3)
         .retry_delay(Duration::from_millis(100))
-        .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+        .spawn(
+            outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+            handler,
+        )
         .await
         .expect("start the consumer");
     for i in 0..4 {

@@ -11,9 +11,9 @@ use lapin::{BasicProperties, Connection, ConnectionProperties};
 use outbox_api::MessageId;
 use outbox_api::testing::{TestRecorder, wait_until};
 use outbox_rabbitmq::metrics as m;
-use outbox_rabbitmq::sqlite::sqlx::{self, SqliteConnection};
 use outbox_rabbitmq::testing::{amqp_url, unique_name};
 use outbox_rabbitmq::{HandlerFuture, RabbitConsumer, Received, handler_fn};
+use outbox_sqlite::sqlx::{self, SqliteConnection};
 use outbox_sqlite::testing::SqlxUnderTest;
 
 const DEADLINE: Duration = Duration::from_secs(30);
@@ -83,7 +83,10 @@ fn the_consumer_records_received_handled_duplicates_and_dead_lettered() {
             .consumer_name("billing")
             .max_attempts(2)
             .retry_delay(Duration::from_millis(50))
-            .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+            .spawn(
+                outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+                handler,
+            )
             .await
             .expect("start the consumer");
 

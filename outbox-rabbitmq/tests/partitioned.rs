@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use outbox_api::testing::wait_until;
 use outbox_api::{HandlerError, Message, MessageKind, NewMessage, Outcome, Timestamp, Transport};
+use outbox_postgres::sqlx::{self, PgConnection};
 use outbox_postgres::testing::PgUnderTest;
-use outbox_rabbitmq::postgres::sqlx::{self, PgConnection};
 use outbox_rabbitmq::testing::{amqp_url, unique_name};
 use outbox_rabbitmq::{
     ConsumerHandle, ExchangeType, HandlerFuture, Partitions, RabbitConsumer, RabbitTransport,
@@ -104,7 +104,10 @@ impl Fixture {
             .replica(index, 2)
             .takeover_check(Duration::from_millis(200))
             .prefetch(16)
-            .spawn_postgres(self.db.pg().outbox(), self.db.pool().clone(), handler)
+            .spawn(
+                outbox_postgres::PgInbox::new(self.db.pg().outbox(), self.db.pool().clone()),
+                handler,
+            )
             .await
             .expect("start a partitioned consumer")
     }

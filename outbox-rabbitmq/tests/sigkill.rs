@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use outbox_api::testing::wait_until;
 use outbox_api::{HandlerError, Message, MessageKind, NewMessage, Outcome, Timestamp, Transport};
 use outbox_postgres::PgStore;
+use outbox_postgres::sqlx::{self, PgConnection, postgres::PgPoolOptions};
 use outbox_postgres::testing::{PgUnderTest, database_url};
-use outbox_rabbitmq::postgres::sqlx::{self, PgConnection, postgres::PgPoolOptions};
 use outbox_rabbitmq::testing::{amqp_url, unique_name};
 use outbox_rabbitmq::{
     ExchangeType, HandlerFuture, Partitions, RabbitConsumer, RabbitTransport, Received, Topology,
@@ -112,7 +112,7 @@ async fn child(replica: u16) {
         .replica(replica, REPLICAS)
         .takeover_check(Duration::from_millis(250))
         .prefetch(50)
-        .spawn_postgres(store.outbox(), pool, handler)
+        .spawn(outbox_postgres::PgInbox::new(store.outbox(), pool), handler)
         .await
         .expect("start the consumer");
     println!("ready");

@@ -8,11 +8,11 @@ use lapin::options::{BasicGetOptions, BasicNackOptions, BasicRejectOptions, Queu
 use lapin::types::{AMQPValue, FieldTable};
 use outbox_api::testing::wait_until;
 use outbox_api::{ErrorKind, MessageId};
-use outbox_rabbitmq::sqlite::sqlx::SqliteConnection;
 use outbox_rabbitmq::testing::{amqp_url, unique_name};
 use outbox_rabbitmq::{
     ExchangeType, HandlerFuture, QueueType, RabbitConsumer, Received, Topology, handler_fn,
 };
+use outbox_sqlite::sqlx::SqliteConnection;
 use outbox_sqlite::testing::SqlxUnderTest;
 
 mod support;
@@ -287,7 +287,10 @@ async fn the_consumer_dead_letters_a_failing_message_on_quorum_and_classic_queue
         let consumer = RabbitConsumer::builder(amqp_url(), t.q.as_str())
             .max_attempts(2)
             .retry_delay(Duration::from_millis(10))
-            .spawn(db.sqlite().outbox(), db.pool().clone(), handler)
+            .spawn(
+                outbox_sqlite::SqliteInbox::new(db.sqlite().outbox(), db.pool().clone()),
+                handler,
+            )
             .await
             .expect("start the consumer");
         let bad = MessageId::new();

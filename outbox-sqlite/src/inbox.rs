@@ -158,205 +158,26 @@ impl SqliteOutbox {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicU32, Ordering};
-
-    use outbox_api::TemporarilyUnavailable;
-    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    //! What every inbox promises is checked by the inbox conformance suite
+    //! (`tests/conformance.rs`); this is SQLite's own part.
 
     use super::*;
-    use crate::SqliteStore;
-
-    const LIMIT: Duration = Duration::from_secs(10);
-
-    struct Db {
-        _dir: tempfile::TempDir,
-        outbox: SqliteOutbox,
-        pool: SqlitePool,
-    }
-
-    impl Db {
-        async fn new() -> Db {
-            let dir = tempfile::tempdir().unwrap();
-            let store = SqliteStore::open(dir.path().join("inbox.db"))
-                .await
-                .unwrap();
-            store.migrate().await.unwrap();
-            let pool = SqlitePoolOptions::new()
-                .max_connections(2)
-                .connect_with(SqliteConnectOptions::new().filename(store.path()))
-                .await
-                .unwrap();
-            sqlx::query("CREATE TABLE effects (message_id TEXT NOT NULL)")
-                .execute(&pool)
-                .await
-                .unwrap();
-            Db {
-                _dir: dir,
-                outbox: store.outbox(),
-                pool,
-            }
-        }
-
-        async fn count(&self, table: &str) -> i64 {
-            sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT COUNT(*) FROM {table}")))
-                .fetch_one(&self.pool)
-                .await
-                .unwrap()
-        }
-
-        async fn effects(&self) -> i64 {
-            self.count("effects").await
-        }
-
-        async fn inbox_rows(&self) -> i64 {
-            self.count(self.outbox.inbox_table()).await
-        }
-    }
-
-    async fn effect(tx: &mut SqliteConnection, id: MessageId) -> Result<(), HandlerError> {
-        sqlx::query("INSERT INTO effects (message_id) VALUES (?)")
-            .bind(id.to_string())
-            .execute(&mut *tx)
-            .await?;
-        Ok(())
-    }
-
-    #[tokio::test]
-    async fn success_commits_effects_and_inbox_row_together_and_a_duplicate_skips_the_handler() {
-        let db = Db::new().await;
-        let id = MessageId::new();
-        let runs = AtomicU32::new(0);
-        let handler = async |tx: &mut SqliteConnection| {
-            runs.fetch_add(1, Ordering::SeqCst);
-            effect(tx, id).await
-        };
-        let first = db
-            .outbox
-            .receive_once(&db.pool, "billing", id, LIMIT, handler)
-            .await;
-        assert_eq!(first, InboxOutcome::Committed);
-        assert_eq!((db.effects().await, db.inbox_rows().await), (1, 1));
-
-        let again = db
-            .outbox
-            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
-                runs.fetch_add(1, Ordering::SeqCst);
-                effect(tx, id).await
-            })
-            .await;
-        assert_eq!(again, InboxOutcome::Duplicate);
-        assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler did not run");
-        assert_eq!((db.effects().await, db.inbox_rows().await), (1, 1));
-
-        // Another consumer of the same message is not a duplicate.
-        let other = db
-            .outbox
-            .receive_once(&db.pool, "shipping", id, LIMIT, async |tx| {
-                effect(tx, id).await
-            })
-            .await;
-        assert_eq!(other, InboxOutcome::Committed);
-        assert_eq!((db.effects().await, db.inbox_rows().await), (2, 2));
-    }
-
-    #[tokio::test]
-    async fn failure_panic_and_timeout_roll_back_so_a_retry_runs_again() {
-        let db = Db::new().await;
-        let id = MessageId::new();
-
-        let failed = db
-            .outbox
-            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
-                effect(tx, id).await?;
-                Err("the order is unknown".into())
-            })
-            .await;
-        assert_eq!(
-            failed,
-            InboxOutcome::HandlerFailed("the order is unknown".into())
-        );
-        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
-
-        let panicked = db
-            .outbox
-            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
-                effect(tx, id).await?;
-                if true {
-                    panic!("handler blew up");
-                }
-                Ok(())
-            })
-            .await;
-        assert_eq!(
-            panicked,
-            InboxOutcome::HandlerFailed("handler panicked: handler blew up".into())
-        );
-        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
-
-        let slow = db
-            .outbox
-            .receive_once(
-                &db.pool,
-                "billing",
-                id,
-                Duration::from_millis(50),
-                async |tx| {
-                    effect(tx, id).await?;
-                    std::future::pending::<()>().await;
-                    Ok(())
-                },
-            )
-            .await;
-        assert!(
-            matches!(&slow, InboxOutcome::HandlerFailed(e) if e.contains("timed out")),
-            "{slow:?}"
-        );
-        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
-
-        let retried = db
-            .outbox
-            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
-                effect(tx, id).await
-            })
-            .await;
-        assert_eq!(retried, InboxOutcome::Committed, "the retry ran again");
-        assert_eq!((db.effects().await, db.inbox_rows().await), (1, 1));
-    }
-
-    #[tokio::test]
-    async fn unavailable_rolls_back_and_keeps_the_requested_delay() {
-        let db = Db::new().await;
-        let id = MessageId::new();
-        let outcome = db
-            .outbox
-            .receive_once(&db.pool, "billing", id, LIMIT, async |tx| {
-                effect(tx, id).await?;
-                Err(
-                    TemporarilyUnavailable::new("the payment service answers 503")
-                        .retry_after(Duration::from_secs(2))
-                        .into(),
-                )
-            })
-            .await;
-        assert_eq!(
-            outcome,
-            InboxOutcome::HandlerUnavailable {
-                reason: "temporarily unavailable: the payment service answers 503".into(),
-                retry_after: Some(Duration::from_secs(2)),
-            }
-        );
-        assert_eq!((db.effects().await, db.inbox_rows().await), (0, 0));
-    }
+    use crate::testing::SqlxUnderTest;
 
     #[tokio::test]
     async fn a_database_failure_is_a_store_failure() {
-        let db = Db::new().await;
-        db.pool.close().await;
+        let db = SqlxUnderTest::fresh(None).await;
+        db.pool().close().await;
         let outcome = db
-            .outbox
-            .receive_once(&db.pool, "billing", MessageId::new(), LIMIT, async |_| {
-                Ok(())
-            })
+            .sqlite()
+            .outbox()
+            .receive_once(
+                db.pool(),
+                "billing",
+                MessageId::new(),
+                Duration::from_secs(10),
+                async |_| Ok(()),
+            )
             .await;
         assert!(
             matches!(&outcome, InboxOutcome::StoreFailed(e) if e.contains("beginning")),

@@ -103,7 +103,10 @@ impl Db {
                     },
                 );
                 builder
-                    .spawn(outbox.clone(), pool.clone(), handler)
+                    .spawn(
+                        outbox_sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
+                        handler,
+                    )
                     .await
                     .unwrap()
             }
@@ -127,7 +130,10 @@ impl Db {
                     },
                 );
                 builder
-                    .spawn_postgres(f.pg().outbox(), f.pool().clone(), handler)
+                    .spawn(
+                        outbox_postgres::PgInbox::new(f.pg().outbox(), f.pool().clone()),
+                        handler,
+                    )
                     .await
                     .unwrap()
             }

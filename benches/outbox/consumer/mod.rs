@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use outbox::{Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport};
+use outbox_postgres::sqlx::{self as pgsqlx, PgConnection};
 use outbox_postgres::testing::PgUnderTest;
 use outbox_rabbitmq::lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -31,16 +32,15 @@ use outbox_rabbitmq::lapin::options::{
 };
 use outbox_rabbitmq::lapin::types::FieldTable;
 use outbox_rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox_rabbitmq::postgres::sqlx::{self as pgsqlx, PgConnection};
-use outbox_rabbitmq::sqlite::sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
-};
-use outbox_rabbitmq::sqlite::sqlx::{self as sqlitesqlx, SqliteConnection};
-use outbox_rabbitmq::sqlite::{SqliteOutbox, SqliteStore};
 use outbox_rabbitmq::{
     ConsumerHandle, ExchangeType, HandlerFuture, Partitions, RabbitConsumer, RabbitTransport,
     Received, Topology, handler_fn,
 };
+use outbox_sqlite::sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+use outbox_sqlite::sqlx::{self as sqlitesqlx, SqliteConnection};
+use outbox_sqlite::{SqliteOutbox, SqliteStore};
 
 use crate::common::{Figure, not_measured};
 

@@ -138,7 +138,7 @@ pub fn victim_child(spec: &str) {
             .consumer_name("bench")
             .replica(0, 2)
             .prefetch(PREFETCH)
-            .spawn_postgres(store.outbox(), pool, handler)
+            .spawn(outbox_postgres::PgInbox::new(store.outbox(), pool), handler)
             .await
             .unwrap();
         while handle.consuming().is_empty() {

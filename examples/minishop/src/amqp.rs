@@ -266,7 +266,12 @@ async fn spawn_consumer(
                 module,
                 outbox: outbox.clone(),
             };
-            builder.spawn(outbox.clone(), pool.clone(), handler).await
+            builder
+                .spawn(
+                    outbox::sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
+                    handler,
+                )
+                .await
         }
         (None, Some((outbox, pool))) => {
             let handler = AmqpInbox {
@@ -277,7 +282,10 @@ async fn spawn_consumer(
                 .max_attempts(PG_MAX_ATTEMPTS)
                 .retry_delay(Duration::from_millis(50))
                 .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
-                .spawn_postgres(outbox.clone(), pool.clone(), handler)
+                .spawn(
+                    outbox::postgres::PgInbox::new(outbox.clone(), pool.clone()),
+                    handler,
+                )
                 .await
         }
         (None, None) => {

@@ -7,16 +7,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_api::{Error, Result};
-#[cfg(feature = "postgres-inbox")]
-use outbox_postgres::{
-    PgOutbox,
-    sqlx::{PgConnection, PgPool},
-};
-#[cfg(feature = "sqlite-inbox")]
-use outbox_sqlite::{
-    SqliteOutbox,
-    sqlx::{SqliteConnection, SqlitePool},
-};
 use tokio::sync::watch;
 
 use super::InboxHandler;
@@ -29,10 +19,11 @@ use super::session::{Worker, owner_marker};
 use crate::Partitions;
 use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 
-/// Consumes a RabbitMQ queue into an inbox on SQLite
-/// ([`spawn`](RabbitConsumerBuilder::spawn), feature `sqlite-inbox`) or
-/// PostgreSQL ([`spawn_postgres`](RabbitConsumerBuilder::spawn_postgres),
-/// feature `postgres-inbox`). Start one with [`RabbitConsumer::builder`].
+/// Consumes a RabbitMQ queue into any store's
+/// [`Inbox`](outbox_api::Inbox) (`SqliteInbox`, `PgInbox`, `MemoryInbox`).
+/// Start one with [`RabbitConsumer::builder`], then
+/// [`spawn`](RabbitConsumerBuilder::spawn) it with the inbox and the
+/// handler.
 ///
 /// For each delivery, in order (one at a time; up to `prefetch` are
 /// buffered):
@@ -42,8 +33,8 @@ use crate::config::{MAX_SHORT_STRING, RabbitConfig};
 ///    it, if it has one), with a warning.
 /// 2. If an earlier delivery of the same ordering key ([`Received::key`])
 ///    waits for a retry, hold this one behind it (see *Order* below).
-/// 3. Run the backend's inbox transaction (`SqliteOutbox::receive_once`,
-///    `PgOutbox::receive_once`): begin (`BEGIN IMMEDIATE` on SQLite);
+/// 3. Run the store's inbox transaction
+///    ([`Inbox::receive_once`](outbox_api::Inbox::receive_once)): begin (`BEGIN IMMEDIATE` on SQLite);
 ///    record `(consumer, message_id)` in the inbox — a duplicate is
 ///    acknowledged without running the handler; run the [`InboxHandler`]
 ///    (time limit, panics caught); on `Ok`, commit, **then** acknowledge.
@@ -362,53 +353,25 @@ impl RabbitConsumerBuilder {
         Ok(())
     }
 
-    /// Checks the settings, connects, starts consuming into the **SQLite**
-    /// inbox and returns the handle of the running consumer (on the current
-    /// tokio runtime). Feature `sqlite-inbox`.
+    /// Checks the settings, connects, starts consuming into `inbox` with
+    /// `handler` run in each of its transactions, and returns the handle of
+    /// the running consumer (on the current tokio runtime).
     ///
-    /// `outbox` gives the inbox table (and is how the handler enqueues
-    /// replies); `pool` is the application's sqlx pool on the same database
-    /// file. Fails with a clear error (password redacted) when a setting is
-    /// invalid or the credentials are refused (`ErrorKind::Config`), the
-    /// queue does not exist (`ErrorKind::NotFound`), or the broker cannot be
-    /// reached (`ErrorKind::Unavailable`).
-    #[cfg(feature = "sqlite-inbox")]
-    pub async fn spawn(
+    /// `inbox` is the store's [`Inbox`](outbox_api::Inbox) on the
+    /// application's database: `SqliteInbox::new(outbox, pool)`,
+    /// `PgInbox::new(outbox, pool)` (one connection per delivery in flight,
+    /// one more while the inbox purge runs) or `MemoryInbox::new(store)`;
+    /// the handler enqueues replies with that store's outbox. Fails with a
+    /// clear error (password redacted) when a setting is invalid or the
+    /// credentials are refused (`ErrorKind::Config`), the queue does not
+    /// exist (`ErrorKind::NotFound`), or the broker cannot be reached
+    /// (`ErrorKind::Unavailable`).
+    pub async fn spawn<I: outbox_api::Inbox>(
         self,
-        outbox: SqliteOutbox,
-        pool: SqlitePool,
-        handler: impl InboxHandler<SqliteConnection>,
+        inbox: I,
+        handler: impl InboxHandler<I::Conn>,
     ) -> Result<ConsumerHandle> {
-        self.spawn_on(Inbox::Sqlite {
-            outbox,
-            pool,
-            handler: Arc::new(handler),
-        })
-        .await
-    }
-
-    /// Checks the settings, connects, starts consuming into the
-    /// **PostgreSQL** inbox and returns the handle of the running consumer
-    /// (on the current tokio runtime). Feature `postgres-inbox`.
-    ///
-    /// `outbox` gives the inbox table (and is how the handler enqueues
-    /// replies, `outbox.enqueue(tx, …)`); `pool` is the application's sqlx
-    /// pool on the same database (one connection per delivery in flight,
-    /// one more while the inbox purge runs). Each delivery runs
-    /// [`PgOutbox::receive_once`]. Fails as [`spawn`](Self::spawn) does.
-    #[cfg(feature = "postgres-inbox")]
-    pub async fn spawn_postgres(
-        self,
-        outbox: PgOutbox,
-        pool: PgPool,
-        handler: impl InboxHandler<PgConnection>,
-    ) -> Result<ConsumerHandle> {
-        self.spawn_on(Inbox::Postgres {
-            outbox,
-            pool,
-            handler: Arc::new(handler),
-        })
-        .await
+        self.spawn_on(Inbox::bind(inbox, Arc::new(handler))).await
     }
 
     async fn spawn_on(self, inbox: Inbox) -> Result<ConsumerHandle> {

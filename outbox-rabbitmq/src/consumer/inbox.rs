@@ -1,56 +1,32 @@
-//! The inbox behind a consumer: one small enum over the backends, so that
-//! the consume loop, settling and the purge are written once. Each variant
-//! runs its backend's own inbox transaction (`SqliteOutbox::receive_once`,
-//! `PgOutbox::receive_once`) and purge statement.
+//! The inbox behind a consumer: any store's [`outbox_api::Inbox`] bound to
+//! the application's [`InboxHandler`] on that store's connection type, and
+//! erased to one type, so that the consume loop, settling and the purge are
+//! written once for every store.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_api::{InboxOutcome, Result, Timestamp};
-#[cfg(feature = "postgres-inbox")]
-use outbox_postgres::{
-    PgOutbox,
-    sqlx::{PgConnection, PgPool},
-};
-#[cfg(feature = "sqlite-inbox")]
-use outbox_sqlite::{
-    SqliteOutbox,
-    sqlx::{SqliteConnection, SqlitePool},
-};
+use async_trait::async_trait;
+use outbox_api::{HandlerError, InboxOutcome, InboxWork, Result, Timestamp};
 
 use super::{InboxHandler, Received};
 
-/// Where a consumer records what it received, with the application's
-/// handler on that backend's connection.
+/// A store's inbox with the handler that runs in its transactions.
 #[derive(Clone)]
-pub(super) enum Inbox {
-    /// SQLite (feature `sqlite-inbox`).
-    #[cfg(feature = "sqlite-inbox")]
-    Sqlite {
-        outbox: SqliteOutbox,
-        pool: SqlitePool,
-        handler: Arc<dyn InboxHandler<SqliteConnection>>,
-    },
-    /// PostgreSQL (feature `postgres-inbox`).
-    #[cfg(feature = "postgres-inbox")]
-    Postgres {
-        outbox: PgOutbox,
-        pool: PgPool,
-        handler: Arc<dyn InboxHandler<PgConnection>>,
-    },
-}
+pub(super) struct Inbox(Arc<dyn Receiver>);
 
 impl Inbox {
+    /// Binds `handler` to `inbox`.
+    pub(super) fn bind<I: outbox_api::Inbox>(
+        inbox: I,
+        handler: Arc<dyn InboxHandler<I::Conn>>,
+    ) -> Self {
+        Inbox(Arc::new(Bound { inbox, handler }))
+    }
+
     /// The inbox table, for logs.
     pub(super) fn table(&self) -> String {
-        match self {
-            #[cfg(feature = "sqlite-inbox")]
-            Inbox::Sqlite { outbox, .. } => outbox.inbox_table().to_owned(),
-            #[cfg(feature = "postgres-inbox")]
-            Inbox::Postgres { outbox, .. } => {
-                format!("{}.{}", outbox.schema(), outbox.inbox_table())
-            }
-        }
+        self.0.table()
     }
 
     /// The inbox transaction around the handler for `received`.
@@ -60,49 +36,69 @@ impl Inbox {
         received: &Received,
         handler_timeout: Duration,
     ) -> InboxOutcome {
-        match self {
-            #[cfg(feature = "sqlite-inbox")]
-            Inbox::Sqlite {
-                outbox,
-                pool,
-                handler,
-            } => {
-                outbox
-                    .receive_once(pool, consumer, received.id, handler_timeout, async |tx| {
-                        handler.handle(received, tx).await
-                    })
-                    .await
-            }
-            #[cfg(feature = "postgres-inbox")]
-            Inbox::Postgres {
-                outbox,
-                pool,
-                handler,
-            } => {
-                outbox
-                    .receive_once(pool, consumer, received.id, handler_timeout, async |tx| {
-                        handler.handle(received, tx).await
-                    })
-                    .await
-            }
-        }
+        self.0
+            .receive_once(consumer, received, handler_timeout)
+            .await
     }
 
     /// Deletes at most `limit` entries received before `before`.
     pub(super) async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64> {
-        match self {
-            #[cfg(feature = "sqlite-inbox")]
-            Inbox::Sqlite { outbox, pool, .. } => outbox.purge_inbox(pool, before, limit).await,
-            #[cfg(feature = "postgres-inbox")]
-            Inbox::Postgres { outbox, pool, .. } => {
-                let mut conn = pool.acquire().await.map_err(|e| {
-                    outbox_api::Error::unavailable(format!(
-                        "purging the inbox `{}`: no connection: {e}",
-                        self.table()
-                    ))
-                })?;
-                outbox.purge_inbox(&mut conn, before, limit).await
-            }
-        }
+        self.0.purge(before, limit).await
+    }
+}
+
+#[async_trait]
+trait Receiver: Send + Sync {
+    fn table(&self) -> String;
+    async fn receive_once(
+        &self,
+        consumer: &str,
+        received: &Received,
+        handler_timeout: Duration,
+    ) -> InboxOutcome;
+    async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64>;
+}
+
+struct Bound<I: outbox_api::Inbox> {
+    inbox: I,
+    handler: Arc<dyn InboxHandler<I::Conn>>,
+}
+
+/// The handler applied to one delivery: what runs in the inbox transaction.
+struct Work<'a, C: ?Sized> {
+    handler: &'a dyn InboxHandler<C>,
+    received: &'a Received,
+}
+
+#[async_trait]
+impl<C: ?Sized + Send + 'static> InboxWork<C> for Work<'_, C> {
+    async fn run(&self, conn: &mut C) -> std::result::Result<(), HandlerError> {
+        self.handler.handle(self.received, conn).await
+    }
+}
+
+#[async_trait]
+impl<I: outbox_api::Inbox> Receiver for Bound<I> {
+    fn table(&self) -> String {
+        self.inbox.name()
+    }
+
+    async fn receive_once(
+        &self,
+        consumer: &str,
+        received: &Received,
+        handler_timeout: Duration,
+    ) -> InboxOutcome {
+        let work = Work {
+            handler: &*self.handler,
+            received,
+        };
+        self.inbox
+            .receive_once(consumer, received.id, handler_timeout, &work)
+            .await
+    }
+
+    async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64> {
+        self.inbox.purge(before, limit).await
     }
 }
