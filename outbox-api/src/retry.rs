@@ -29,6 +29,10 @@ pub enum RetryPolicy {
 }
 
 impl RetryPolicy {
+    /// The longest delay a policy may give (365 days): a retry further away
+    /// is an operator's decision, and every store can represent this one.
+    pub const MAX_DELAY: Duration = Duration::from_secs(365 * 24 * 3600);
+
     /// Exponential backoff from 1 s to 5 min, doubling, 20 % jitter.
     pub fn exponential() -> Self {
         RetryPolicy::Exponential {
@@ -41,6 +45,22 @@ impl RetryPolicy {
 
     /// Checks the parameters, naming the one that is wrong.
     pub fn validate(&self) -> Result<()> {
+        let at_most = |field: &str, d: &Duration| {
+            if *d > Self::MAX_DELAY {
+                Err(Error::config(
+                    field,
+                    format!(
+                        "must be at most {} days (got {d:?})",
+                        Self::MAX_DELAY.as_secs() / 86_400
+                    ),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        if let RetryPolicy::Fixed(d) = self {
+            at_most("retry_policy.fixed", d)?;
+        }
         if let RetryPolicy::Exponential {
             initial,
             max,
@@ -48,6 +68,7 @@ impl RetryPolicy {
             jitter,
         } = self
         {
+            at_most("retry_policy.max", max)?;
             if initial > max {
                 return Err(Error::config(
                     "retry_policy.initial",
@@ -86,7 +107,10 @@ impl RetryPolicy {
                 let raw = initial.as_secs_f64() * multiplier.powi(exp);
                 let capped = raw.min(max.as_secs_f64());
                 let jittered = capped * (1.0 - jitter * fastrand::f64());
-                Duration::from_secs_f64(jittered.max(0.0))
+                // Never a panic, even for a policy that skipped `validate`.
+                Duration::try_from_secs_f64(jittered.max(0.0))
+                    .unwrap_or(Self::MAX_DELAY)
+                    .min(Self::MAX_DELAY)
             }
         }
     }
@@ -120,6 +144,25 @@ mod tests {
             assert!(d <= Duration::from_secs(300));
             assert!(d >= Duration::from_millis(800));
         }
+    }
+
+    #[test]
+    fn a_delay_too_long_is_refused_not_a_panic() {
+        let huge = RetryPolicy::Exponential {
+            initial: Duration::from_secs(1),
+            max: Duration::MAX,
+            multiplier: 2.0,
+            jitter: 0.2,
+        };
+        let e = huge.validate().unwrap_err();
+        assert!(e.to_string().contains("retry_policy.max"), "{e}");
+        // Unvalidated, it still gives a delay instead of panicking.
+        assert_eq!(huge.delay(200, Duration::ZERO), RetryPolicy::MAX_DELAY);
+        let e = RetryPolicy::Fixed(Duration::MAX).validate().unwrap_err();
+        assert!(e.to_string().contains("retry_policy.fixed"), "{e}");
+        RetryPolicy::Fixed(RetryPolicy::MAX_DELAY)
+            .validate()
+            .unwrap();
     }
 
     #[test]
