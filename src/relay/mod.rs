@@ -20,6 +20,8 @@ mod handle;
 mod meter;
 mod schedule;
 mod settle;
+#[cfg(test)]
+mod tests;
 mod upkeep;
 
 use std::collections::HashMap;

@@ -510,6 +510,6 @@ impl<'a> Scheduler<'a> {
 /// Messages per transport send: a quarter of the window, so that while
 /// some sends wait for their confirms others go out, and the window stays
 /// full (a continuous window rather than send-a-batch-then-wait).
-fn send_group_size(concurrency: usize) -> usize {
+pub(super) fn send_group_size(concurrency: usize) -> usize {
     concurrency.div_ceil(4).max(1)
 }
