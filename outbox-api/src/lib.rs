@@ -43,7 +43,7 @@ pub use message::{
 };
 pub use retry::RetryPolicy;
 pub use store::{
-    Backlog, ClaimRequest, Clock, FailOutcome, Failure, ListQuery, ManualClock, OperatorStore,
-    Release, Stats, Store, SystemClock, TokioClock, WorkListener,
+    Backlog, ClaimRequest, Clock, FailOutcome, Failure, ListQuery, ManualClock, OperatorAction,
+    OperatorStore, Release, Stats, Store, SystemClock, TokioClock, WorkListener,
 };
 pub use transport::{Outcome, Transport};

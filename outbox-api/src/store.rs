@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::message::{Message, MessageId, MessageKind, MessageState, Timestamp};
 
 /// What a relay asks for when it claims work.
@@ -453,6 +453,90 @@ pub trait OperatorStore: Store {
 
     /// Pending or poisoned → processed without delivery; `by` names the operator.
     async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()>;
+}
+
+/// An operator's action on one message ([`OperatorStore::retry`],
+/// [`OperatorStore::discard`]): the one place its precondition, its
+/// refusal and its audit note are written, for every store and every
+/// front end (CLI, console).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OperatorAction {
+    /// Poisoned → pending, attempts reset to 0, deliverable at once.
+    Retry,
+    /// Pending or poisoned → processed without delivery.
+    Discard,
+}
+
+impl OperatorAction {
+    /// `"retry"` or `"discard"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            OperatorAction::Retry => "retry",
+            OperatorAction::Discard => "discard",
+        }
+    }
+
+    /// `"retried"` or `"discarded"` (the audit note's verb).
+    pub fn done(self) -> &'static str {
+        match self {
+            OperatorAction::Retry => "retried",
+            OperatorAction::Discard => "discarded",
+        }
+    }
+
+    /// `"retrying a message"` or `"discarding a message"`, for errors.
+    pub fn doing(self) -> &'static str {
+        match self {
+            OperatorAction::Retry => "retrying a message",
+            OperatorAction::Discard => "discarding a message",
+        }
+    }
+
+    /// Whether the action applies to message `id` in `state`: a retry to
+    /// a poisoned message only, a discard to any message not processed
+    /// yet. The refusal is an [`ErrorKind::Conflict`](crate::ErrorKind)
+    /// saying why; nothing is changed.
+    pub fn check(self, id: MessageId, state: MessageState) -> Result<()> {
+        let why = match (self, state) {
+            (OperatorAction::Retry, MessageState::Poisoned) => return Ok(()),
+            (OperatorAction::Retry, s) => {
+                format!("message {id} is {s}, not poisoned; only poisoned messages can be retried")
+            }
+            (OperatorAction::Discard, MessageState::Processed) => {
+                format!("message {id} is processed already; nothing to discard")
+            }
+            (OperatorAction::Discard, _) => return Ok(()),
+        };
+        Err(Error::new(crate::ErrorKind::Conflict, why))
+    }
+
+    /// The text the action leaves in `last_error`: who did it and when,
+    /// with the error it replaces.
+    pub fn audit_note(self, by: &str, now: Timestamp, previous: Option<&str>) -> String {
+        audit_note(self.done(), by, now, previous)
+    }
+
+    /// The refusal for an id the outbox `table` does not hold.
+    pub fn not_found(id: MessageId, table: &str) -> Error {
+        Error::new(
+            crate::ErrorKind::NotFound,
+            format!("no message with id {id} in outbox table `{table}`"),
+        )
+    }
+
+    /// Does it through `store`.
+    pub async fn apply(
+        self,
+        store: &dyn OperatorStore,
+        id: MessageId,
+        by: &str,
+        now: Timestamp,
+    ) -> Result<()> {
+        match self {
+            OperatorAction::Retry => store.retry(id, by, now).await,
+            OperatorAction::Discard => store.discard(id, by, now).await,
+        }
+    }
 }
 
 /// The text an operator action leaves in `last_error`.

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use outbox_api::{ErrorKind, ListQuery, Message, MessageId, MessageState, Timestamp};
+use outbox_api::{
+    ErrorKind, ListQuery, Message, MessageId, MessageState, OperatorAction, Timestamp,
+};
 use serde_json::{Value, json};
 
 use crate::args::{ListArgs, RetryArgs, ServeArgs};
@@ -112,22 +114,13 @@ fn describe(m: &Message) -> String {
     s
 }
 
-fn not_poisoned(m: &Message) -> CliError {
-    CliError::failed(format!(
-        "conflict: message {} is {}, not poisoned; only poisoned messages can be retried",
-        m.id, m.state
-    ))
-}
-
 pub async fn retry(outbox: &Outbox, args: &RetryArgs, json: bool) -> Result<Output, CliError> {
     let by = args.operator.name()?;
     let store = outbox.store();
     let targets: Vec<Message> = match args.id {
         Some(id) => {
             let m = get(outbox, id).await?;
-            if m.state != MessageState::Poisoned {
-                return Err(not_poisoned(&m));
-            }
+            OperatorAction::Retry.check(m.id, m.state)?;
             vec![m]
         }
         None => {
@@ -224,11 +217,7 @@ pub async fn discard(
     json: bool,
 ) -> Result<Output, CliError> {
     let m = get(outbox, id).await?;
-    if m.state == MessageState::Processed {
-        return Err(CliError::failed(format!(
-            "conflict: message {id} is processed already; nothing to discard"
-        )));
-    }
+    OperatorAction::Discard.check(id, m.state)?;
     if !dry_run {
         outbox.store().discard(id, by, Timestamp::now()).await?;
         // A discard may unblock later messages of its key.

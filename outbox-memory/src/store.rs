@@ -2,11 +2,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
-use outbox_api::backend::{Wakeup, audit_note};
+use outbox_api::backend::Wakeup;
 use outbox_api::{
     ClaimRequest, Clock, Enqueue, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message,
-    MessageId, MessageState, NewMessage, OperatorStore, Release, Result, Stats, Store, SystemClock,
-    Timestamp, WorkListener,
+    MessageId, MessageState, NewMessage, OperatorAction, OperatorStore, Release, Result, Stats,
+    Store, SystemClock, Timestamp, WorkListener,
 };
 
 /// An outbox table (plus inbox) in memory, with transactions.
@@ -418,19 +418,12 @@ impl OperatorStore for MemoryStore {
 
     async fn retry(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
         let mut inner = self.lock();
+        let action = OperatorAction::Retry;
         let (seq, m) = inner.row_mut(id).ok_or_else(|| not_found(id))?;
-        if m.state != MessageState::Poisoned {
-            return Err(Error::new(
-                ErrorKind::Conflict,
-                format!(
-                    "message {id} is {}, not poisoned; only poisoned messages can be retried",
-                    m.state
-                ),
-            ));
-        }
+        action.check(id, m.state)?;
         m.attempts = 0;
         m.available_at = now;
-        m.last_error = Some(audit_note("retried", by, now, m.last_error.as_deref()));
+        m.last_error = Some(action.audit_note(by, now, m.last_error.as_deref()));
         inner.set_state(seq, MessageState::Pending, now);
         drop(inner);
         self.shared.wakeup.notify();
@@ -439,14 +432,10 @@ impl OperatorStore for MemoryStore {
 
     async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
         let mut inner = self.lock();
+        let action = OperatorAction::Discard;
         let (seq, m) = inner.row_mut(id).ok_or_else(|| not_found(id))?;
-        if m.state == MessageState::Processed {
-            return Err(Error::new(
-                ErrorKind::Conflict,
-                format!("message {id} is processed already; nothing to discard"),
-            ));
-        }
-        m.last_error = Some(audit_note("discarded", by, now, m.last_error.as_deref()));
+        action.check(id, m.state)?;
+        m.last_error = Some(action.audit_note(by, now, m.last_error.as_deref()));
         inner.set_state(seq, MessageState::Processed, now);
         drop(inner);
         self.shared.wakeup.notify();
@@ -455,5 +444,5 @@ impl OperatorStore for MemoryStore {
 }
 
 fn not_found(id: MessageId) -> Error {
-    Error::new(ErrorKind::NotFound, format!("no message with id {id}"))
+    OperatorAction::not_found(id, "memory")
 }

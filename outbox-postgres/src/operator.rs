@@ -1,53 +1,14 @@
 //! The operators' view of a [`PgStore`]: list, inspect, retry, discard.
 
 use async_trait::async_trait;
-use outbox_api::backend::audit_note;
 use outbox_api::{
-    Error, ErrorKind, ListQuery, Message, MessageId, MessageState, OperatorStore, Result, Timestamp,
+    ListQuery, Message, MessageId, MessageState, OperatorAction, OperatorStore, Result, Timestamp,
 };
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 use crate::error::storable;
 use crate::row::decode_annotated;
 use crate::store::{PgStore, to_i64};
-
-/// What an operator does to a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OperatorAction {
-    /// Poisoned → pending, attempts reset.
-    Retry,
-    /// Pending or poisoned → processed without delivery.
-    Discard,
-}
-
-impl OperatorAction {
-    fn doing(self) -> &'static str {
-        match self {
-            OperatorAction::Retry => "retrying a message",
-            OperatorAction::Discard => "discarding a message",
-        }
-    }
-
-    fn done(self) -> &'static str {
-        match self {
-            OperatorAction::Retry => "retried",
-            OperatorAction::Discard => "discarded",
-        }
-    }
-
-    /// Why the action does not apply to a message in `state`, if it does not.
-    fn refused(self, id: MessageId, state: &str) -> Option<String> {
-        match self {
-            OperatorAction::Retry if state != MessageState::Poisoned.as_str() => Some(format!(
-                "message {id} is {state}, not poisoned; only poisoned messages can be retried"
-            )),
-            OperatorAction::Discard if state == MessageState::Processed.as_str() => Some(format!(
-                "message {id} is processed already; nothing to discard"
-            )),
-            _ => None,
-        }
-    }
-}
 
 impl PgStore {
     /// One operator action in one transaction: the row is locked, checked,
@@ -96,20 +57,20 @@ impl PgStore {
             .fetch_optional(&mut *tx)
             .await?;
         let Some(row) = row else {
-            return Ok(Err(Error::new(
-                ErrorKind::NotFound,
-                format!(
-                    "no message with id {id} in outbox table `{}`",
-                    sql.names.outbox_display()
-                ),
+            return Ok(Err(OperatorAction::not_found(
+                id,
+                &sql.names.outbox_display(),
             )));
         };
         let state: String = row.try_get(0)?;
         let last_error: Option<String> = row.try_get(1)?;
-        if let Some(why) = action.refused(id, &state) {
-            return Ok(Err(Error::new(ErrorKind::Conflict, why)));
+        let checked = state
+            .parse::<MessageState>()
+            .and_then(|state| action.check(id, state));
+        if let Err(refusal) = checked {
+            return Ok(Err(refusal));
         }
-        let note = audit_note(action.done(), by, now, last_error.as_deref());
+        let note = action.audit_note(by, now, last_error.as_deref());
         let update = match action {
             OperatorAction::Retry => &sql.retry,
             OperatorAction::Discard => &sql.discard,

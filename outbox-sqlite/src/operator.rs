@@ -2,9 +2,8 @@
 //! discard ([`OperatorStore`]).
 
 use async_trait::async_trait;
-use outbox_api::backend::audit_note;
 use outbox_api::{
-    Error, ErrorKind, ListQuery, Message, MessageId, MessageState, OperatorStore, Result, Timestamp,
+    ListQuery, Message, MessageId, MessageState, OperatorAction, OperatorStore, Result, Timestamp,
 };
 use rusqlite::{Connection, TransactionBehavior, params};
 
@@ -28,26 +27,7 @@ fn state_of(
 
 enum OpOutcome {
     Done,
-    NotFound,
-    Conflict(String),
-}
-
-/// What an operator does to a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OperatorAction {
-    /// Poisoned → pending, attempts reset.
-    Retry,
-    /// Pending or poisoned → processed without delivery.
-    Discard,
-}
-
-impl OperatorAction {
-    fn doing(self) -> &'static str {
-        match self {
-            OperatorAction::Retry => "retrying a message",
-            OperatorAction::Discard => "discarding a message",
-        }
-    }
+    Refused(outbox_api::Error),
 }
 
 impl SqliteStore {
@@ -64,21 +44,16 @@ impl SqliteStore {
                 let t = &sql.outbox;
                 let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
                 let Some((state, last_error)) = state_of(&tx, t, id)? else {
-                    return Ok(OpOutcome::NotFound);
+                    return Ok(OpOutcome::Refused(OperatorAction::not_found(id, t)));
                 };
+                let checked = state
+                    .parse::<MessageState>()
+                    .and_then(|state| action.check(id, state));
+                if let Err(refusal) = checked {
+                    return Ok(OpOutcome::Refused(refusal));
+                }
                 let retry = action == OperatorAction::Retry;
-                if retry && state != "poisoned" {
-                    return Ok(OpOutcome::Conflict(format!(
-                        "message {id} is {state}, not poisoned; only poisoned messages can be retried"
-                    )));
-                }
-                if !retry && state == "processed" {
-                    return Ok(OpOutcome::Conflict(format!(
-                        "message {id} is processed already; nothing to discard"
-                    )));
-                }
-                let action = if retry { "retried" } else { "discarded" };
-                let note = audit_note(action, &by, now, last_error.as_deref());
+                let note = action.audit_note(&by, now, last_error.as_deref());
                 let update = if retry {
                     format!(
                         "UPDATE {t} SET state = 'pending', attempts = 0, available_at = ?1, last_error = ?2,
@@ -100,11 +75,7 @@ impl SqliteStore {
                 self.announce_change();
                 Ok(())
             }
-            OpOutcome::NotFound => Err(Error::new(
-                ErrorKind::NotFound,
-                format!("no message with id {id} in outbox table `{}`", self.table()),
-            )),
-            OpOutcome::Conflict(msg) => Err(Error::new(ErrorKind::Conflict, msg)),
+            OpOutcome::Refused(refusal) => Err(refusal),
         }
     }
 }

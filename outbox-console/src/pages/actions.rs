@@ -4,18 +4,19 @@
 
 use super::*;
 
-/// An operator action.
+/// An operator action: `OperatorAction` (its precondition, refusal and
+/// audit note are the stores'), with what the pages say about it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Action {
-    Retry,
-    Discard,
-}
+struct Action(OperatorAction);
 
 impl Action {
+    const RETRY: Action = Action(OperatorAction::Retry);
+    const DISCARD: Action = Action(OperatorAction::Discard);
+
     fn parse(st: &State, s: &str) -> Result<Action, Response> {
         match s {
-            "retry" => Ok(Action::Retry),
-            "discard" => Ok(Action::Discard),
+            "retry" => Ok(Action::RETRY),
+            "discard" => Ok(Action::DISCARD),
             _ => Err(error_page(
                 st,
                 StatusCode::NOT_FOUND,
@@ -26,33 +27,19 @@ impl Action {
     }
 
     fn name(self) -> &'static str {
-        match self {
-            Action::Retry => "retry",
-            Action::Discard => "discard",
-        }
+        self.0.name()
     }
 
     fn done(self) -> &'static str {
-        match self {
-            Action::Retry => "retried",
-            Action::Discard => "discarded",
-        }
+        self.0.done()
     }
 
     /// Why the action does not apply to `m`, if it does not.
     fn refused(self, m: &Message) -> Option<String> {
-        match (self, m.state) {
-            (Action::Retry, MessageState::Poisoned) => None,
-            (Action::Retry, s) => Some(format!(
-                "Message {} is {s}, not poisoned: only poisoned messages can be retried.",
-                m.id
-            )),
-            (Action::Discard, MessageState::Processed) => Some(format!(
-                "Message {} is processed already: there is nothing to discard.",
-                m.id
-            )),
-            (Action::Discard, _) => None,
-        }
+        self.0
+            .check(m.id, m.state)
+            .err()
+            .map(|e| e.message().to_owned())
     }
 
     async fn apply(
@@ -61,20 +48,16 @@ impl Action {
         id: MessageId,
         by: &str,
     ) -> outbox_api::Result<()> {
-        let now = Timestamp::now();
-        match self {
-            Action::Retry => store.retry(id, by, now).await,
-            Action::Discard => store.discard(id, by, now).await,
-        }
+        self.0.apply(store, id, by, Timestamp::now()).await
     }
 
     fn consequence(self) -> &'static str {
         match self {
-            Action::Retry => {
+            Action::RETRY => {
                 "Its attempts go back to 0 and the relay delivers it again at once; the audit note \
                  in its last error says who retried it and when."
             }
-            Action::Discard => {
+            Action::DISCARD => {
                 "It is marked processed without being delivered — it is never sent — and the \
                  later messages of its key may go on. Retention purges it later."
             }
@@ -115,7 +98,7 @@ pub(crate) async fn confirm_one(
         p { (action.consequence()) }
         form.actions method="post" action={ (url) "/" (verb) } {
             input type="hidden" name="csrf" value=(st.keys.csrf(verb, &o.name, &m.id.to_string()));
-            button type="submit" class=(if action == Action::Discard { "danger" } else { "primary" }) {
+            button type="submit" class=(if action == Action::DISCARD { "danger" } else { "primary" }) {
                 "Yes, " (verb) " it"
             }
             " " a href=(url) { "Cancel" }
@@ -231,7 +214,7 @@ pub(crate) async fn confirm_bulk(
             form.actions method="post" action={ (st.prefix) "/" (o.name) "/poisoned/" (verb) } {
                 input type="hidden" name="type" value=(ty);
                 input type="hidden" name="csrf" value=(st.keys.csrf(&format!("bulk-{verb}"), &o.name, &ty));
-                button type="submit" class=(if action == Action::Discard { "danger" } else { "primary" }) {
+                button type="submit" class=(if action == Action::DISCARD { "danger" } else { "primary" }) {
                     "Yes, " (verb) " them all"
                 }
                 " " a href=(list) { "Cancel" }
