@@ -2,6 +2,57 @@
 
 use std::time::Duration;
 
+use crate::{Backlog, Timestamp};
+
+/// What the outbox table alone says needs attention: poisoned messages
+/// waiting for an operator, and a pending message older than `alert`.
+/// Empty: healthy as far as the table goes; otherwise each is a reason to
+/// be [`HealthStatus::Degraded`]. The one definition behind the relay's
+/// health, the console's overview and `outbox health`.
+pub fn backlog_reasons(backlog: &Backlog, alert: Duration, now: Timestamp) -> Vec<String> {
+    let mut reasons = Vec::new();
+    if backlog.poisoned > 0 {
+        reasons.push(format!(
+            "{} poisoned message(s) wait for an operator",
+            backlog.poisoned
+        ));
+    }
+    if let Some(oldest) = backlog.oldest_pending_created_at {
+        let age = now.since(oldest);
+        if age > alert {
+            reasons.push(format!(
+                "the oldest pending message is {} old (alert after {})",
+                format_age(age),
+                format_age(alert)
+            ));
+        }
+    }
+    reasons
+}
+
+/// An age as people read it, its two largest units: `850ms`, `42s`,
+/// `3m 20s`, `5h`, `2d 3h`.
+pub fn format_age(age: Duration) -> String {
+    let secs = age.as_secs();
+    if secs == 0 {
+        return format!("{}ms", age.as_millis());
+    }
+    let parts = [
+        (secs / 86_400, "d"),
+        (secs % 86_400 / 3_600, "h"),
+        (secs % 3_600 / 60, "m"),
+        (secs % 60, "s"),
+    ];
+    let first = parts.iter().position(|(n, _)| *n > 0).unwrap_or(3);
+    let mut out = format!("{}{}", parts[first].0, parts[first].1);
+    if let Some((n, unit)) = parts.get(first + 1) {
+        if *n > 0 {
+            out.push_str(&format!(" {n}{unit}"));
+        }
+    }
+    out
+}
+
 /// Overall status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum HealthStatus {
@@ -88,5 +139,22 @@ impl HealthReport {
     pub fn with_transport(mut self, transport: TransportHealth) -> Self {
         self.transport = transport;
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_ages() {
+        assert_eq!(format_age(Duration::from_millis(850)), "850ms");
+        assert_eq!(format_age(Duration::from_secs(45)), "45s");
+        assert_eq!(format_age(Duration::from_secs(312)), "5m 12s");
+        assert_eq!(format_age(Duration::from_secs(3_600)), "1h");
+        assert_eq!(
+            format_age(Duration::from_secs(2 * 86_400 + 3 * 3_600)),
+            "2d 3h"
+        );
     }
 }

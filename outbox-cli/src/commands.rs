@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use outbox_api::{
     ErrorKind, ListQuery, Message, MessageId, MessageState, OperatorAction, Timestamp,
+    backlog_reasons, format_age,
 };
 use serde_json::{Value, json};
 
 use crate::args::{ListArgs, RetryArgs, ServeArgs};
 use crate::db::{self, Outbox, Target};
-use crate::duration::format_age;
 use crate::{CliError, EXIT_USAGE, Output, render};
 
 /// How many processed messages one purge statement deletes.
@@ -306,20 +306,7 @@ pub async fn health(target: &Target, alert: Duration, json: bool) -> Output {
     let age = stats
         .oldest_pending_created_at
         .map(|t| Timestamp::now().since(t));
-    let mut reasons = Vec::new();
-    if stats.poisoned > 0 {
-        reasons.push(format!(
-            "{} poisoned message(s) wait for an operator (see `outbox list --state poisoned`)",
-            stats.poisoned
-        ));
-    }
-    if let Some(age) = age.filter(|a| *a > alert) {
-        reasons.push(format!(
-            "the oldest pending message is {} old (alert after {})",
-            format_age(age),
-            format_age(alert)
-        ));
-    }
+    let reasons = backlog_reasons(&stats, alert, Timestamp::now());
     let (status, code) = if reasons.is_empty() {
         ("healthy", 0)
     } else {

@@ -40,29 +40,6 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("`{s}` is too long a duration"))
 }
 
-/// Shows an age compactly with its two largest units: `850ms`, `45s`,
-/// `5m 12s`, `3h 4m`, `2d 3h`.
-pub fn format_age(age: Duration) -> String {
-    let secs = age.as_secs();
-    if secs == 0 {
-        return format!("{}ms", age.as_millis());
-    }
-    let parts = [
-        (secs / 86_400, "d"),
-        (secs % 86_400 / 3_600, "h"),
-        (secs % 3_600 / 60, "m"),
-        (secs % 60, "s"),
-    ];
-    let first = parts.iter().position(|(n, _)| *n > 0).unwrap_or(3);
-    let mut out = format!("{}{}", parts[first].0, parts[first].1);
-    if let Some((n, unit)) = parts.get(first + 1) {
-        if *n > 0 {
-            out.push_str(&format!(" {n}{unit}"));
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,17 +67,5 @@ mod tests {
             let err = parse_duration(bad).unwrap_err();
             assert!(err.contains('`'), "{bad}: {err}");
         }
-    }
-
-    #[test]
-    fn formats_ages() {
-        assert_eq!(format_age(Duration::from_millis(850)), "850ms");
-        assert_eq!(format_age(Duration::from_secs(45)), "45s");
-        assert_eq!(format_age(Duration::from_secs(312)), "5m 12s");
-        assert_eq!(format_age(Duration::from_secs(3_600)), "1h");
-        assert_eq!(
-            format_age(Duration::from_secs(2 * 86_400 + 3 * 3_600)),
-            "2d 3h"
-        );
     }
 }

@@ -105,14 +105,7 @@ pub(crate) fn login_page(state: &State, status: StatusCode, problem: Option<&str
 
 /// `1d 2h`, `3h 4m`, `5m 6s`, `7s`, `120ms`.
 pub(crate) fn age(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0 => format!("{}ms", d.as_millis()),
-        1..60 => format!("{s}s"),
-        60..3600 => format!("{}m {}s", s / 60, s % 60),
-        3600..86_400 => format!("{}h {}m", s / 3600, (s % 3600) / 60),
-        _ => format!("{}d {}h", s / 86_400, (s % 86_400) / 3600),
-    }
+    outbox_api::format_age(d)
 }
 
 /// A time with its age: `2024-… (5m 3s ago)`.

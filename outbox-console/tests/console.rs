@@ -97,7 +97,8 @@ async fn overview_counts_and_health(b: Backend) {
         page.body
     );
     assert!(
-        page.body.contains("1 poisoned message(s) wait for a human"),
+        page.body
+            .contains("1 poisoned message(s) wait for an operator"),
         "{}",
         page.body
     );

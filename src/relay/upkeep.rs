@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use outbox_api::{HealthReport, HealthStatus, Result, TransportHealth};
+use outbox_api::{HealthReport, HealthStatus, Result, TransportHealth, backlog_reasons};
 
 use super::{Relay, lock};
 
@@ -68,13 +68,15 @@ impl Relay {
         let mut reasons = Vec::new();
         let running = self.inner.running.load(Ordering::SeqCst);
         let transport = self.inner.gate.health();
+        let now = self.now();
         let (pending, poisoned, oldest) = match self.inner.store.backlog().await {
             Ok(s) => {
-                self.inner.meter.backlog(&s, self.now());
+                self.inner.meter.backlog(&s, now);
+                reasons.extend(backlog_reasons(&s, cfg.backlog_age_alert, now));
                 (
                     s.pending,
                     s.poisoned,
-                    s.oldest_pending_created_at.map(|t| self.now().since(t)),
+                    s.oldest_pending_created_at.map(|t| now.since(t)),
                 )
             }
             Err(e) => {
@@ -84,18 +86,6 @@ impl Relay {
         };
         if let Some(e) = lock(&self.inner.last_store_error).clone() {
             reasons.push(format!("last store error: {e}"));
-        }
-        if let Some(age) = oldest.filter(|a| *a > cfg.backlog_age_alert) {
-            reasons.push(format!(
-                "oldest pending message is {}s old (alert at {}s)",
-                age.as_secs(),
-                cfg.backlog_age_alert.as_secs()
-            ));
-        }
-        if poisoned > 0 {
-            reasons.push(format!(
-                "{poisoned} poisoned message(s) wait for an operator"
-            ));
         }
         if let TransportHealth::Down(r) = &transport {
             reasons.push(format!("transport down: {r}"));

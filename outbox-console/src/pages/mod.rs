@@ -178,25 +178,10 @@ fn state_class(s: HealthStatus) -> &'static str {
     s.as_str()
 }
 
-/// Health from the table alone: poison and backlog age.
+/// Health from the table alone: poison and backlog age
+/// ([`outbox_api::backlog_reasons`], as the relay and `outbox health` say it).
 fn table_health(stats: &Stats, alert: Duration, now: Timestamp) -> (HealthStatus, Vec<String>) {
-    let mut reasons = Vec::new();
-    if stats.poisoned > 0 {
-        reasons.push(format!(
-            "{} poisoned message(s) wait for a human",
-            stats.poisoned
-        ));
-    }
-    if let Some(oldest) = stats.oldest_pending_created_at {
-        let a = now.since(oldest);
-        if a > alert {
-            reasons.push(format!(
-                "the oldest pending message is {} old (alert at {})",
-                view::age(a),
-                view::age(alert)
-            ));
-        }
-    }
+    let reasons = outbox_api::backlog_reasons(&(*stats).into(), alert, now);
     let status = if reasons.is_empty() {
         HealthStatus::Healthy
     } else {
