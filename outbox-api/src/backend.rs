@@ -8,8 +8,13 @@
 //! * [`Wakeup`] / [`WakeupListener`] — an in-process "something was
 //!   committed" signal to build a [`WorkListener`](crate::WorkListener) from;
 //! * [`redact_url`] — a connection URL with its password hidden, for
-//!   `Debug`, logs and errors.
+//!   `Debug`, logs and errors;
+//! * [`OUTBOX_COLUMNS`], [`RowValues`], [`decode_row`] — the outbox row of
+//!   every SQL store: its columns, a message encoded for an insert, a row
+//!   decoded back tolerating corruption (only [`RowColumns`], reading one
+//!   column, is the driver's).
 
 pub use crate::error::redact_url;
 pub use crate::purge::{purge_in_batches, rest_after};
+pub use crate::row::{DecodedRow, OUTBOX_COLUMNS, RowColumns, RowValues, decode_row};
 pub use crate::store::{Wakeup, WakeupListener, audit_note};

@@ -18,6 +18,7 @@ mod inbox;
 mod message;
 mod purge;
 mod retry;
+mod row;
 mod store;
 pub mod trace;
 mod transport;

@@ -93,7 +93,7 @@ impl PgOutbox {
     /// by every driver.
     pub(crate) fn prepare_one(&self, message: NewMessage) -> Result<(&str, Encoded, MessageId)> {
         let e = self.encode(message, self.shared.clock.now())?;
-        let id = MessageId::from_uuid(e.id);
+        let id = e.id;
         let sql = if e.key.is_some() {
             &self.shared.sql.insert_keyed
         } else {
@@ -171,7 +171,7 @@ impl PgOutbox {
     pub async fn enqueue(&self, conn: &mut PgConnection, message: NewMessage) -> Result<MessageId> {
         let (sql, e, id) = self.prepare_one(message)?;
         let result = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql))
-            .bind(e.id)
+            .bind(e.id.as_uuid())
             .bind(e.kind)
             .bind(e.message_type)
             .bind(e.key)

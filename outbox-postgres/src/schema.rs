@@ -515,6 +515,12 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_selected_columns_are_the_outbox_columns() {
+        let names = COLUMNS.replace("headers::text", "headers");
+        assert_eq!(names, outbox_api::backend::OUTBOX_COLUMNS.join(", "));
+    }
+
+    #[test]
     fn identifiers_are_validated() {
         for ok in ["outbox", "_x", "orders_outbox2", &"a".repeat(48)] {
             Names::new("public", ok, "inbox").unwrap();

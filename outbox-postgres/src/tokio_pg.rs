@@ -22,26 +22,24 @@ use crate::row::{Encoded, EncodedColumns};
 
 type Param<'a> = (&'a (dyn ToSql + Sync), Type);
 
-impl Encoded {
-    /// The values of an insert with their types, in the order of
-    /// `schema::INSERT_COLUMNS` (`$9`, the headers, is text cast to jsonb
-    /// by the statement).
-    fn typed_params(&self) -> [Param<'_>; 12] {
-        [
-            (&self.id, Type::UUID),
-            (&self.kind, Type::TEXT),
-            (&self.message_type, Type::TEXT),
-            (&self.key, Type::TEXT),
-            (&self.exchange, Type::TEXT),
-            (&self.routing_key, Type::TEXT),
-            (&self.payload, Type::BYTEA),
-            (&self.content_type, Type::TEXT),
-            (&self.headers, Type::TEXT),
-            (&self.trace_parent, Type::TEXT),
-            (&self.created_at, Type::INT8),
-            (&self.available_at, Type::INT8),
-        ]
-    }
+/// The values of an insert of `e` (whose id is `id`) with their types, in
+/// the order of `schema::INSERT_COLUMNS` (`$9`, the headers, is text cast
+/// to jsonb by the statement).
+fn typed_params<'a>(e: &'a Encoded, id: &'a uuid::Uuid) -> [Param<'a>; 12] {
+    [
+        (id, Type::UUID),
+        (&e.kind, Type::TEXT),
+        (&e.message_type, Type::TEXT),
+        (&e.key, Type::TEXT),
+        (&e.exchange, Type::TEXT),
+        (&e.routing_key, Type::TEXT),
+        (&e.payload, Type::BYTEA),
+        (&e.content_type, Type::TEXT),
+        (&e.headers, Type::TEXT),
+        (&e.trace_parent, Type::TEXT),
+        (&e.created_at, Type::INT8),
+        (&e.available_at, Type::INT8),
+    ]
 }
 
 impl EncodedColumns {
@@ -82,7 +80,7 @@ pub struct PreparedEnqueue {
     insert_keyed: Statement,
 }
 
-/// The parameter types of an insert, in the order of `Encoded::typed_params`.
+/// The parameter types of an insert, in the order of `typed_params`.
 const INSERT_TYPES: [Type; 12] = [
     Type::UUID,
     Type::TEXT,
@@ -119,7 +117,8 @@ impl PgOutbox {
         C: GenericClient + Sync,
     {
         let (sql, e, id) = self.prepare_one(message)?;
-        let result = client.query_typed(sql, &e.typed_params()).await;
+        let uuid = e.id.as_uuid();
+        let result = client.query_typed(sql, &typed_params(&e, &uuid)).await;
         self.inserted_one(result, id)
     }
 
@@ -179,7 +178,8 @@ impl PgOutbox {
         } else {
             &prepared.insert
         };
-        let params = e.typed_params();
+        let uuid = e.id.as_uuid();
+        let params = typed_params(&e, &uuid);
         let values: Vec<&(dyn ToSql + Sync)> = params.iter().map(|(v, _)| *v).collect();
         let result = client.query(statement, &values).await;
         self.inserted_one(result, id)

@@ -92,7 +92,7 @@ impl SqliteOutbox {
     {
         let (id, e) = self.encode(message)?;
         let result = sqlx::query(sqlx::AssertSqlSafe(Arc::clone(&self.shared.sqlx_insert)))
-            .bind(e.id)
+            .bind(e.id.to_string())
             .bind(e.kind)
             .bind(e.message_type)
             .bind(e.key)
@@ -131,7 +131,7 @@ impl SqliteOutbox {
             .prepare_cached(&self.shared.sql.insert)
             .and_then(|mut stmt| {
                 stmt.execute(rusqlite::params![
-                    e.id,
+                    e.id.to_string(),
                     e.kind,
                     e.message_type,
                     e.key,

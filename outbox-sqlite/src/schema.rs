@@ -290,6 +290,11 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_selected_columns_are_the_outbox_columns() {
+        assert_eq!(COLUMNS, outbox_api::backend::OUTBOX_COLUMNS.join(", "));
+    }
+
+    #[test]
     fn identifiers_are_validated() {
         for ok in ["outbox", "_x", "Orders_Outbox2", &"a".repeat(63)] {
             validate_table_name("table", ok).unwrap();

@@ -16,29 +16,7 @@ use outbox_postgres::PgStore;
 
 use crate::CliError;
 
-/// The columns every outbox table has (SQLite and PostgreSQL alike); a
-/// table lacking any is not one.
-const OUTBOX_COLUMNS: &[&str] = &[
-    "seq",
-    "id",
-    "kind",
-    "message_type",
-    "key",
-    "exchange",
-    "routing_key",
-    "payload",
-    "content_type",
-    "headers",
-    "trace_parent",
-    "created_at",
-    "available_at",
-    "attempts",
-    "last_error",
-    "state",
-    "locked_by",
-    "locked_until",
-    "processed_at",
-];
+use outbox_api::backend::OUTBOX_COLUMNS;
 
 /// The outbox columns missing from `columns`.
 fn missing_columns(columns: &[String]) -> Vec<&'static str> {
