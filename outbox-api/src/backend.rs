@@ -9,12 +9,19 @@
 //!   committed" signal to build a [`WorkListener`](crate::WorkListener) from;
 //! * [`redact_url`] — a connection URL with its password hidden, for
 //!   `Debug`, logs and errors;
+//! * [`validate_table_name`], [`validate_schema_name`],
+//!   [`MIGRATIONS_TABLE`] — the names of outbox tables, one set of rules
+//!   valid on every store;
 //! * [`OUTBOX_COLUMNS`], [`RowValues`], [`decode_row`] — the outbox row of
 //!   every SQL store: its columns, a message encoded for an insert, a row
 //!   decoded back tolerating corruption (only [`RowColumns`], reading one
 //!   column, is the driver's).
 
 pub use crate::error::redact_url;
+pub use crate::names::{
+    MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN, MIGRATIONS_TABLE, validate_schema_name,
+    validate_table_name,
+};
 pub use crate::purge::{purge_in_batches, rest_after};
 pub use crate::row::{DecodedRow, OUTBOX_COLUMNS, RowColumns, RowValues, decode_row};
 pub use crate::store::{Wakeup, WakeupListener, audit_note};

@@ -16,6 +16,7 @@ mod guard;
 mod health;
 mod inbox;
 mod message;
+mod names;
 mod purge;
 mod retry;
 mod row;

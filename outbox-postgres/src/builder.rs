@@ -86,7 +86,9 @@ impl PgStoreBuilder {
     }
 
     /// The outbox table's name (default `outbox`): one outbox per module or
-    /// database. Lower-case letters, digits and `_`, at most 48 characters.
+    /// database. The same rules on every store
+    /// ([`validate_table_name`](outbox_api::backend::validate_table_name)):
+    /// lower-case letters, digits and `_`, at most 48 characters.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self

@@ -1,5 +1,6 @@
 //! Schema and table names, migrations, and the SQL text built from them.
 
+use outbox_api::backend::{validate_schema_name, validate_table_name};
 use outbox_api::{Error, Result};
 
 use crate::claim_sql::{RETRIES_GENERATION, claim_sql, floor_cte, sequences};
@@ -12,49 +13,7 @@ pub const DEFAULT_OUTBOX_TABLE: &str = "outbox";
 pub const DEFAULT_INBOX_TABLE: &str = "outbox_inbox";
 /// The table, in each schema, that records which migrations were applied to
 /// which table.
-pub(crate) const VERSIONS_TABLE: &str = "outbox_schema_versions";
-
-/// Longest table name accepted: the longest name derived from it
-/// (`<table>_processed_idx`) must fit PostgreSQL's 63 bytes.
-pub(crate) const MAX_TABLE_LEN: usize = 48;
-/// Longest schema name accepted (PostgreSQL's identifier limit).
-pub(crate) const MAX_SCHEMA_LEN: usize = 63;
-
-/// Checks that `name` is an identifier we can splice safely:
-/// `[a-z_][a-z0-9_]*`, at most `max` bytes, not reserved. Lower case only,
-/// so that the name an operator types unquoted in `psql` is the same name.
-fn validate_identifier(field: &str, what: &str, name: &str, max: usize) -> Result<()> {
-    let mut chars = name.chars();
-    let ok_first = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
-    let ok_rest = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !ok_first || !ok_rest {
-        return Err(Error::config(
-            field,
-            format!(
-                "{what} name `{}` is not a valid identifier (lower-case letters, digits and `_`, not starting with a digit)",
-                name.escape_debug()
-            ),
-        ));
-    }
-    if name.len() > max {
-        return Err(Error::config(
-            field,
-            format!(
-                "{what} name `{name}` is {} characters long; at most {max} are allowed",
-                name.len()
-            ),
-        ));
-    }
-    if name.starts_with("pg_") {
-        return Err(Error::config(
-            field,
-            format!("{what} name `{name}` is reserved (the `pg_` prefix belongs to PostgreSQL)"),
-        ));
-    }
-    Ok(())
-}
+pub(crate) use outbox_api::backend::MIGRATIONS_TABLE as VERSIONS_TABLE;
 
 /// A validated schema + outbox table + inbox table.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,23 +25,9 @@ pub(crate) struct Names {
 
 impl Names {
     pub(crate) fn new(schema: &str, outbox: &str, inbox: &str) -> Result<Names> {
-        validate_identifier("schema", "schema", schema, MAX_SCHEMA_LEN)?;
-        if schema == "information_schema" {
-            return Err(Error::config(
-                "schema",
-                "schema name `information_schema` is reserved",
-            ));
-        }
-        validate_identifier("table", "table", outbox, MAX_TABLE_LEN)?;
-        validate_identifier("inbox_table", "table", inbox, MAX_TABLE_LEN)?;
-        for (field, name) in [("table", outbox), ("inbox_table", inbox)] {
-            if name == VERSIONS_TABLE {
-                return Err(Error::config(
-                    field,
-                    format!("table name `{name}` is reserved"),
-                ));
-            }
-        }
+        validate_schema_name("schema", schema)?;
+        validate_table_name("table", outbox)?;
+        validate_table_name("inbox_table", inbox)?;
         if outbox == inbox {
             return Err(Error::config(
                 "inbox_table",

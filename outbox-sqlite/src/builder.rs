@@ -48,7 +48,9 @@ impl std::fmt::Debug for SqliteStoreBuilder {
 
 impl SqliteStoreBuilder {
     /// The outbox table's name (default `outbox`): one outbox per module or
-    /// database. Must be an identifier: `[A-Za-z_][A-Za-z0-9_]*`, ≤ 63 chars.
+    /// database. The same rules on every store
+    /// ([`validate_table_name`](outbox_api::backend::validate_table_name)):
+    /// lower-case letters, digits and `_`, at most 48 characters.
     pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self

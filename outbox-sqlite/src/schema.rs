@@ -2,51 +2,14 @@
 
 use outbox_api::{Error, Result};
 
-/// Longest table name accepted.
-pub(crate) const MAX_NAME_LEN: usize = 63;
-
 /// Default outbox table name.
 pub const DEFAULT_OUTBOX_TABLE: &str = "outbox";
 /// Default inbox table name.
 pub const DEFAULT_INBOX_TABLE: &str = "outbox_inbox";
 /// The table that records which migrations were applied to which table.
-pub(crate) const VERSIONS_TABLE: &str = "outbox_schema_versions";
-
-/// Checks that `name` is an SQL identifier we can splice safely:
-/// `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters, not reserved by SQLite.
-pub(crate) fn validate_table_name(field: &str, name: &str) -> Result<()> {
-    let mut chars = name.chars();
-    let ok_first = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    let ok_rest = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if !ok_first || !ok_rest {
-        return Err(Error::config(
-            field,
-            format!(
-                "table name `{}` is not a valid identifier (letters, digits and `_`, not starting with a digit)",
-                name.escape_debug()
-            ),
-        ));
-    }
-    if name.len() > MAX_NAME_LEN {
-        return Err(Error::config(
-            field,
-            format!(
-                "table name `{name}` is {} characters long; at most {MAX_NAME_LEN} are allowed",
-                name.len()
-            ),
-        ));
-    }
-    if name.to_ascii_lowercase().starts_with("sqlite_") || name.eq_ignore_ascii_case(VERSIONS_TABLE)
-    {
-        return Err(Error::config(
-            field,
-            format!("table name `{name}` is reserved"),
-        ));
-    }
-    Ok(())
-}
+pub(crate) use outbox_api::backend::MIGRATIONS_TABLE as VERSIONS_TABLE;
+/// The table-name rules of every store.
+pub(crate) use outbox_api::backend::validate_table_name;
 
 /// The columns every message query returns, in the order `decode_row` reads them.
 pub(crate) const COLUMNS: &str = "seq, id, kind, message_type, key, exchange, routing_key, payload, \
@@ -292,24 +255,5 @@ mod tests {
     #[test]
     fn the_selected_columns_are_the_outbox_columns() {
         assert_eq!(COLUMNS, outbox_api::backend::OUTBOX_COLUMNS.join(", "));
-    }
-
-    #[test]
-    fn identifiers_are_validated() {
-        for ok in ["outbox", "_x", "Orders_Outbox2", &"a".repeat(63)] {
-            validate_table_name("table", ok).unwrap();
-        }
-        for bad in [
-            "",
-            "1abc",
-            "x; DROP TABLE y",
-            "a-b",
-            "ü",
-            "sqlite_master",
-            &"a".repeat(64),
-        ] {
-            let err = validate_table_name("table", bad).unwrap_err();
-            assert_eq!(err.kind(), outbox_api::ErrorKind::Config, "{bad}: {err}");
-        }
     }
 }

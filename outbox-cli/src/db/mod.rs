@@ -184,27 +184,12 @@ pub async fn open(target: &Target) -> Result<Outbox, CliError> {
     }
 }
 
-/// Checks that `name` is a table name the stores accept:
-/// `[A-Za-z_][A-Za-z0-9_]*`, at most 63 characters (clap value parser;
-/// PostgreSQL's stricter rules are checked when its store is opened).
+/// Checks that `name` is a table name the stores accept (clap value
+/// parser): the rules of every store, `outbox_api::backend::validate_table_name`.
 pub fn parse_table_name(name: &str) -> Result<String, String> {
-    let mut chars = name.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
-    if !first_ok || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
-        return Err(format!(
-            "table name `{}` is not an identifier (letters, digits and `_`, not starting with a digit)",
-            name.escape_debug()
-        ));
-    }
-    if name.len() > 63 {
-        return Err(format!(
-            "table name `{name}` is {} characters long; at most 63 are allowed",
-            name.len()
-        ));
-    }
-    Ok(name.to_owned())
+    outbox_api::backend::validate_table_name("table", name)
+        .map(|()| name.to_owned())
+        .map_err(|e| e.message().to_owned())
 }
 
 #[cfg(test)]
