@@ -83,7 +83,10 @@ impl SqliteOutbox {
     ///    [`try_receive`](Self::try_receive) — recorded before: roll back,
     ///    [`InboxOutcome::Duplicate`], the handler does not run;
     /// 3. run `handler` with the open transaction, guarded by
-    ///    [`run_guarded`] (time limit `handler_timeout`, panics caught);
+    ///    [`run_inbox_handler`] (time limit `handler_timeout`, panics
+    ///    caught; an error meaning the database is busy or unavailable is
+    ///    [`InboxOutcome::HandlerUnavailable`], retried uncounted, as on
+    ///    every store);
     /// 4. commit when it succeeded ([`InboxOutcome::Committed`]), roll back
     ///    otherwise.
     ///
