@@ -23,5 +23,7 @@ pub use crate::names::{
     validate_table_name,
 };
 pub use crate::purge::{purge_in_batches, rest_after};
-pub use crate::row::{DecodedRow, OUTBOX_COLUMNS, RowColumns, RowValues, decode_row};
+pub use crate::row::{
+    DecodedRow, OUTBOX_COLUMNS, RowColumns, RowValues, decode_row, missing_outbox_columns,
+};
 pub use crate::store::{Wakeup, WakeupListener, audit_note};

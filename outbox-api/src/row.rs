@@ -34,6 +34,16 @@ pub const OUTBOX_COLUMNS: [&str; 19] = [
     "processed_at",
 ];
 
+/// The outbox columns missing from `columns` (the columns a table has,
+/// compared without regard to case): empty for an outbox table.
+pub fn missing_outbox_columns(columns: &[String]) -> Vec<&'static str> {
+    OUTBOX_COLUMNS
+        .iter()
+        .copied()
+        .filter(|c| !columns.iter().any(|have| have.eq_ignore_ascii_case(c)))
+        .collect()
+}
+
 /// A message's column values for an insert, in the order of
 /// [`OUTBOX_COLUMNS`] from `id` to `available_at` (the rest start at their
 /// defaults). Times are milliseconds since the epoch; `headers` is a JSON

@@ -158,9 +158,6 @@ pub async fn retry(outbox: &Outbox, args: &RetryArgs, json: bool) -> Result<Outp
             Err(e) => return Err(e.into()),
         }
     }
-    if !args.dry_run && !done.is_empty() {
-        outbox.changed().await;
-    }
     if json {
         return Ok(Output::ok(to_json(&json!({
             "action": "retry",
@@ -219,9 +216,9 @@ pub async fn discard(
     let m = get(outbox, id).await?;
     OperatorAction::Discard.check(id, m.state)?;
     if !dry_run {
+        // The store announces it to relays (a discard may unblock later
+        // messages of its key) in the action's own transaction.
         outbox.store().discard(id, by, Timestamp::now()).await?;
-        // A discard may unblock later messages of its key.
-        outbox.changed().await;
     }
     if json {
         return Ok(Output::ok(to_json(&json!({

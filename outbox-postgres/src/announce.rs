@@ -143,6 +143,12 @@ impl Announcer {
         self.kick();
     }
 
+    /// Something committed that announced itself to other processes (a
+    /// `NOTIFY` in its own transaction): wakes this process's relays now.
+    pub(crate) fn committed_and_notified(&self) {
+        self.inner.local.notify();
+    }
+
     fn kick(&self) {
         self.inner.kick.notify_one();
         let mut task = lock(&self.inner.task);

@@ -36,9 +36,9 @@ enum Source {
 /// Configures and connects a [`PgStore`]; see [`PgStore::builder`].
 pub struct PgStoreBuilder {
     source: Source,
-    schema: String,
-    table: String,
-    inbox_table: String,
+    pub(crate) schema: String,
+    pub(crate) table: String,
+    pub(crate) inbox_table: String,
     clock: Arc<dyn Clock>,
     max_connections: u32,
     connect_timeout: Duration,

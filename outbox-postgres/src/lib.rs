@@ -6,6 +6,7 @@ mod announce;
 mod builder;
 mod claim_sql;
 mod error;
+mod existing;
 mod floor;
 mod inbox;
 mod listener;

@@ -12,7 +12,8 @@ use crate::store::{PgStore, to_i64};
 
 impl PgStore {
     /// One operator action in one transaction: the row is locked, checked,
-    /// updated, and the change announced so that relays pick it up.
+    /// updated, and the change announced (`NOTIFY` in the same transaction)
+    /// so that relays everywhere pick it up when it commits.
     async fn operator_action(
         &self,
         action: OperatorAction,
@@ -35,7 +36,7 @@ impl PgStore {
             }
             Err(e) => return self.finish(tx, Err(e), what).await,
         }
-        self.inner.announcer.committed();
+        self.inner.announcer.committed_and_notified();
         Ok(())
     }
 }
@@ -79,6 +80,13 @@ impl PgStore {
             .bind(now.as_millis())
             .bind(storable(&note))
             .bind(id.as_uuid())
+            .execute(&mut *tx)
+            .await?;
+        // Relays in every process hear of it when it commits: announced in
+        // its own transaction, so a short-lived caller (the CLI) that exits
+        // right after cannot lose the announcement.
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(self.channel())
             .execute(&mut *tx)
             .await?;
         Ok(Ok(()))

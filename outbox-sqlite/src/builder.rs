@@ -24,9 +24,9 @@ pub const DEFAULT_CHANGE_POLL: Duration = Duration::from_millis(2);
 
 /// Configures and opens a [`SqliteStore`]; see [`SqliteStore::builder`].
 pub struct SqliteStoreBuilder {
-    path: PathBuf,
-    table: String,
-    inbox_table: String,
+    pub(crate) path: PathBuf,
+    pub(crate) table: String,
+    pub(crate) inbox_table: String,
     clock: Arc<dyn Clock>,
     busy_timeout: Duration,
     change_poll: Duration,

@@ -5,6 +5,7 @@
 mod builder;
 mod checkpoint;
 mod error;
+mod existing;
 mod inbox;
 mod listener;
 mod lock_wait;

@@ -16,17 +16,6 @@ use outbox_postgres::PgStore;
 
 use crate::CliError;
 
-use outbox_api::backend::OUTBOX_COLUMNS;
-
-/// The outbox columns missing from `columns`.
-fn missing_columns(columns: &[String]) -> Vec<&'static str> {
-    OUTBOX_COLUMNS
-        .iter()
-        .copied()
-        .filter(|c| !columns.iter().any(|have| have.eq_ignore_ascii_case(c)))
-        .collect()
-}
-
 /// The outbox table an operator named: where it is, not yet opened.
 pub enum Target {
     /// A table in a SQLite file.
@@ -138,18 +127,6 @@ impl Outbox {
     /// PostgreSQL.
     pub fn name(&self) -> &str {
         &self.name
-    }
-
-    /// Tells relays that messages became claimable (a retry, a discard that
-    /// unblocks a key). SQLite relays see the file change by themselves;
-    /// PostgreSQL relays in other processes hear a `NOTIFY` on the table's
-    /// channel, sent here before the CLI exits (the store's own announcer
-    /// runs in a background task this short-lived process may not wait
-    /// for). Best effort: relays poll anyway.
-    pub async fn changed(&self) {
-        if let Backend::Postgres(pg) = &self.backend {
-            postgres::announce(pg).await;
-        }
     }
 
     /// Closes the store's connections (PostgreSQL: politely, so the server
