@@ -24,6 +24,9 @@ pub enum ErrorKind {
     Backend,
     /// Stored data could not be decoded.
     Corrupt,
+    /// The component asked has stopped (a relay shut down, or its task
+    /// died): nothing will happen until it is started again.
+    Stopped,
 }
 
 impl ErrorKind {
@@ -36,6 +39,7 @@ impl ErrorKind {
             ErrorKind::Unavailable => "unavailable",
             ErrorKind::Backend => "backend error",
             ErrorKind::Corrupt => "corrupt data",
+            ErrorKind::Stopped => "stopped",
         }
     }
 }

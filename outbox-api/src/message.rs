@@ -74,15 +74,13 @@ impl Timestamp {
         self.0
     }
 
-    /// This time plus `d` (saturating; also available as `+`).
-    #[allow(clippy::should_implement_trait)]
-    pub fn add(self, d: Duration) -> Self {
+    /// This time plus `d`, saturating at the largest time (also `+`).
+    pub fn saturating_add(self, d: Duration) -> Self {
         Timestamp(self.0.saturating_add(duration_millis(d)))
     }
 
-    /// This time minus `d` (saturating; also available as `-`).
-    #[allow(clippy::should_implement_trait)]
-    pub fn sub(self, d: Duration) -> Self {
+    /// This time minus `d`, saturating at the smallest time (also `-`).
+    pub fn saturating_sub(self, d: Duration) -> Self {
         Timestamp(self.0.saturating_sub(duration_millis(d)))
     }
 
@@ -95,14 +93,14 @@ impl Timestamp {
 impl std::ops::Add<Duration> for Timestamp {
     type Output = Timestamp;
     fn add(self, d: Duration) -> Timestamp {
-        Timestamp::add(self, d)
+        self.saturating_add(d)
     }
 }
 
 impl std::ops::Sub<Duration> for Timestamp {
     type Output = Timestamp;
     fn sub(self, d: Duration) -> Timestamp {
-        Timestamp::sub(self, d)
+        self.saturating_sub(d)
     }
 }
 
@@ -511,7 +509,7 @@ impl NewMessage {
             headers: self.headers,
             trace_parent,
             created_at: now,
-            available_at: now.add(self.delay),
+            available_at: now.saturating_add(self.delay),
             attempts: 0,
             last_error: None,
             state: MessageState::Pending,

@@ -611,6 +611,6 @@ impl Default for TokioClock {
 
 impl Clock for TokioClock {
     fn now(&self) -> Timestamp {
-        self.start_wall.add(self.start.elapsed())
+        self.start_wall.saturating_add(self.start.elapsed())
     }
 }

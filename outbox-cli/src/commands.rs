@@ -248,7 +248,7 @@ pub async fn discard(
 }
 
 pub async fn purge(outbox: &Outbox, older_than: Duration, json: bool) -> Result<Output, CliError> {
-    let before = Timestamp::now().sub(older_than);
+    let before = Timestamp::now().saturating_sub(older_than);
     // Batches that rest between them, so the application's writers get in.
     let purged = outbox_api::backend::purge_in_batches(
         PURGE_BATCH,

@@ -42,7 +42,7 @@ fn claim_one() -> ClaimRequest {
         "w",
         1,
         Duration::from_secs(30),
-        Timestamp::now().add(Duration::from_secs(1)),
+        Timestamp::now().saturating_add(Duration::from_secs(1)),
     )
 }
 

@@ -283,7 +283,7 @@ impl Store for MemoryStore {
                 blocked_now.insert(k.clone());
             }
         }
-        let until = now.add(request.lease);
+        let until = now.saturating_add(request.lease);
         let mut out = Vec::with_capacity(chosen.len());
         for seq in chosen {
             let m = inner.rows.get_mut(&seq).expect("chosen row exists");

@@ -42,6 +42,9 @@ pub struct PgStoreBuilder {
     clock: Arc<dyn Clock>,
     max_connections: u32,
     connect_timeout: Duration,
+    /// The first setting of the pool the store opens that was set (refused
+    /// with `builder_with_pool`, whose pool has its own).
+    pool_setting: Option<&'static str>,
     wake_up: WakeUp,
     poll: Duration,
     notify_debounce: Duration,
@@ -108,18 +111,23 @@ impl PgStoreBuilder {
         self
     }
 
-    /// How many connections the store opens at most (default 8). Ignored
-    /// for a store built on an application's pool.
+    /// How many connections the store opens at most (default 8). A store
+    /// built on an application's pool ([`PgStore::builder_with_pool`])
+    /// uses that pool's size: setting this there is refused at
+    /// [`connect`](Self::connect).
     pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
+        self.pool_setting.get_or_insert("max_connections");
         self
     }
 
     /// How long connecting, or waiting for a free connection, may take
-    /// before an `Unavailable` error (default 5 s). Ignored for a store
-    /// built on an application's pool.
+    /// before an `Unavailable` error (default 5 s). Refused for a store
+    /// built on an application's pool, as
+    /// [`max_connections`](Self::max_connections) is.
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
+        self.pool_setting.get_or_insert("connect_timeout");
         self
     }
 
@@ -202,6 +210,14 @@ impl PgStoreBuilder {
             return Err(Error::config("max_connections", "must be at least 1"));
         }
         let (pool, display) = match self.source {
+            Source::Pool(_) if self.pool_setting.is_some() => {
+                let field = self.pool_setting.unwrap_or_default();
+                return Err(Error::config(
+                    field,
+                    "applies to the pool the store opens; a store on the application's pool \
+                     (builder_with_pool) uses that pool's own settings: set them on the pool",
+                ));
+            }
             Source::Pool(pool) => {
                 let display = describe(&pool.connect_options());
                 (pool, display)
@@ -274,12 +290,43 @@ impl PgStore {
             clock: Arc::new(SystemClock),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            pool_setting: None,
             wake_up: WakeUp::default(),
             poll: DEFAULT_POLL,
             notify_debounce: DEFAULT_NOTIFY_DEBOUNCE,
             announce_commits: true,
             floor_step: DEFAULT_FLOOR_STEP,
             durable_bookkeeping: false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::postgres::PgPoolOptions;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn pool_settings_on_an_applications_pool_are_refused_not_ignored() {
+        // A lazy pool never connects: the refusal comes first.
+        let pool = PgPoolOptions::new()
+            .connect_lazy("postgres://app:secretpw@127.0.0.1:1/shop")
+            .unwrap();
+        for (builder, field) in [
+            (
+                PgStore::builder_with_pool(pool.clone()).max_connections(50),
+                "max_connections",
+            ),
+            (
+                PgStore::builder_with_pool(pool.clone()).connect_timeout(Duration::from_secs(1)),
+                "connect_timeout",
+            ),
+        ] {
+            let e = builder.connect().await.unwrap_err();
+            assert_eq!(e.kind(), outbox_api::ErrorKind::Config, "{e}");
+            assert!(e.to_string().contains(field), "{e}");
+            assert!(!e.to_string().contains("secretpw"), "{e}");
         }
     }
 }

@@ -151,6 +151,7 @@ impl PgStore {
         self.inner.sql.names.channel()
     }
 
+    #[doc(hidden)]
     /// The exact claim statement this store runs (parameters: `$1` worker,
     /// `$2` locked_until, `$3` now, `$4` kind or NULL, `$5` limit, `$6` and
     /// `$7` the [`claim_floor`](Self::claim_floor)), for inspection
@@ -160,6 +161,7 @@ impl PgStore {
         &self.inner.claim
     }
 
+    #[doc(hidden)]
     /// The claim's floor as the claim statement binds it now: the `seq`
     /// its walk of the pending index starts at, and the retry generation
     /// under which that holds (`(0, -1)` before the floor was first set).
@@ -199,12 +201,14 @@ impl PgStore {
             .map_err(|e| self.fail(e, what))
     }
 
+    #[doc(hidden)]
     /// The exact completion statement this store runs (parameters: `$1`
     /// processed_at, `$2` the ids, `uuid[]`), for same-SQL baselines.
     pub fn complete_statement(&self) -> &str {
         &self.inner.sql.complete
     }
 
+    #[doc(hidden)]
     /// The statement that opens every claim transaction: `BEGIN` and the
     /// claim's settings (timeouts, plan, no flush at commit), in one round
     /// trip.
@@ -291,7 +295,7 @@ impl PgStore {
     ) -> std::result::Result<Vec<Message>, sqlx::Error> {
         let sql = &self.inner.sql;
         let now = r.now.as_millis();
-        let until = r.now.add(r.lease).as_millis();
+        let until = r.now.saturating_add(r.lease).as_millis();
         let kind = r.kind.map(|k| k.as_str());
         let floor = self.inner.floor.current();
         let rows = sqlx::query(AssertSqlSafe(self.inner.claim.as_str()))

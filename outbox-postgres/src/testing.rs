@@ -183,7 +183,7 @@ pub fn claim_request(limit: usize) -> ClaimRequest {
         "w",
         limit,
         Duration::from_secs(30),
-        Timestamp::now().add(Duration::from_secs(1)),
+        Timestamp::now().saturating_add(Duration::from_secs(1)),
     )
 }
 

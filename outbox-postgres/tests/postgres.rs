@@ -273,7 +273,7 @@ async fn the_inbox_turns_duplicates_into_one_effect_and_is_purged_in_batches() {
             .unwrap();
     }
     tx.commit().await.unwrap();
-    let later = Timestamp::now().add(Duration::from_secs(1));
+    let later = Timestamp::now().saturating_add(Duration::from_secs(1));
     assert_eq!(f.pg().purge_inbox(later, 3).await.unwrap(), 3);
     assert_eq!(f.pg().purge_inbox_in_batches(later, 2).await.unwrap(), 6);
     assert_eq!(f.pg().purge_inbox(later, 10).await.unwrap(), 0);
@@ -469,7 +469,9 @@ async fn the_claim_plan_uses_the_partial_indexes() {
     .execute(&mut *conn)
     .await
     .unwrap();
-    let now = Timestamp::now().add(Duration::from_secs(1)).as_millis();
+    let now = Timestamp::now()
+        .saturating_add(Duration::from_secs(1))
+        .as_millis();
     let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "EXPLAIN EXECUTE claim_plan('w', {}, {now}, NULL, 20, 0, -1)",
         now + 30_000
@@ -683,7 +685,7 @@ async fn a_claim_beside_another_never_splits_a_key() {
         .unwrap();
     let taken = sqlx::query(sqlx::AssertSqlSafe(store.claim_statement()))
         .bind("a")
-        .bind(request.now.add(request.lease).as_millis())
+        .bind(request.now.saturating_add(request.lease).as_millis())
         .bind(request.now.as_millis())
         .bind(None::<&str>)
         .bind(1_i64)

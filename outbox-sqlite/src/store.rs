@@ -101,6 +101,7 @@ impl SqliteStore {
         &self.inner.sql.inbox
     }
 
+    #[doc(hidden)]
     /// The exact claim statement this store runs for batches of `limit`
     /// (parameters: `?1` worker, `?2` locked_until, `?3` now, `?4` kind or
     /// NULL), for inspection (`EXPLAIN QUERY PLAN`) and same-SQL baselines.
@@ -108,6 +109,7 @@ impl SqliteStore {
         self.inner.sql.claim(limit)
     }
 
+    #[doc(hidden)]
     /// The exact statement that marks one message processed (`?1`
     /// processed_at, `?2` id), run once per id inside one transaction.
     pub fn complete_statement(&self) -> &str {
@@ -204,7 +206,7 @@ fn complete_in(tx: &Connection, sql: &Sql, ids: &[String], now: Timestamp) -> ru
 fn claim_in(tx: &Connection, sql: &Sql, r: &ClaimRequest) -> rusqlite::Result<Vec<Message>> {
     let t = &sql.outbox;
     let now = r.now.as_millis();
-    let until = r.now.add(r.lease).as_millis();
+    let until = r.now.saturating_add(r.lease).as_millis();
     let kind = r.kind.map(|k| k.as_str());
     let mut rows: Vec<Decoded> = {
         let mut stmt = tx.prepare_cached(&sql.claim(r.limit))?;

@@ -21,7 +21,7 @@ fn req(worker: &str, limit: usize) -> ClaimRequest {
         worker,
         limit,
         Duration::from_secs(30),
-        Timestamp::now().add(Duration::from_secs(1)),
+        Timestamp::now().saturating_add(Duration::from_secs(1)),
     )
 }
 
@@ -367,7 +367,7 @@ async fn inbox_deduplicates_with_both_drivers() {
     );
     tx.commit().unwrap();
 
-    let later = Timestamp::now().add(Duration::from_secs(1));
+    let later = Timestamp::now().saturating_add(Duration::from_secs(1));
     assert_eq!(store.purge_inbox(later, 2).await.unwrap(), 2);
     assert_eq!(outbox.purge_inbox(&pool, later, 10).await.unwrap(), 1);
     assert_eq!(store.purge_inbox(later, 10).await.unwrap(), 0);

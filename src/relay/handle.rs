@@ -59,8 +59,8 @@ impl RelayHandle {
 
     fn stopped(&self) -> Error {
         match lock(&self.relay.inner.crashed).clone() {
-            Some(why) => Error::new(ErrorKind::Conflict, format!("the relay has stopped: {why}")),
-            None => Error::new(ErrorKind::Conflict, "the relay has stopped"),
+            Some(why) => Error::new(ErrorKind::Stopped, format!("the relay has stopped: {why}")),
+            None => Error::new(ErrorKind::Stopped, "the relay has stopped"),
         }
     }
 
@@ -82,7 +82,7 @@ impl RelayHandle {
         self.relay.inner.running.load(Ordering::SeqCst)
     }
 
-    /// Totals since start (`batches` is not counted here).
+    /// Totals since start.
     pub fn totals(&self) -> DrainReport {
         self.relay.inner.counters.snapshot()
     }

@@ -77,6 +77,7 @@ impl DrainReport {
 /// Totals since the relay was built.
 #[derive(Debug, Default)]
 struct Counters {
+    batches: AtomicU64,
     delivered: AtomicU64,
     failed: AtomicU64,
     poisoned: AtomicU64,
@@ -86,6 +87,7 @@ struct Counters {
 
 impl Counters {
     fn add(&self, r: &DrainReport) {
+        self.batches.fetch_add(r.batches, Ordering::Relaxed);
         self.delivered.fetch_add(r.delivered, Ordering::Relaxed);
         self.failed.fetch_add(r.failed, Ordering::Relaxed);
         self.poisoned.fetch_add(r.poisoned, Ordering::Relaxed);
@@ -95,7 +97,7 @@ impl Counters {
 
     fn snapshot(&self) -> DrainReport {
         DrainReport {
-            batches: 0,
+            batches: self.batches.load(Ordering::Relaxed),
             delivered: self.delivered.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
             poisoned: self.poisoned.load(Ordering::Relaxed),

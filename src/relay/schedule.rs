@@ -265,7 +265,7 @@ impl<'a> Scheduler<'a> {
         if claim.is_none() && self.pending.is_empty() {
             return;
         }
-        self.round_lease_until = claim.as_ref().map(|c| now.add(c.lease));
+        self.round_lease_until = claim.as_ref().map(|c| now.saturating_add(c.lease));
         if claim.is_some() {
             self.claim_rounds += 1;
             self.announced_at_claim = self.announced;
@@ -287,10 +287,7 @@ impl<'a> Scheduler<'a> {
                 // A commit announced while the claim ran may not be in it.
                 self.exhausted =
                     messages.len() < limit && self.announced == self.announced_at_claim;
-                if !messages.is_empty() {
-                    self.report.batches += 1;
-                    self.claimed += messages.len();
-                }
+                self.claimed += messages.len();
                 let lease_until = lease_until.expect("a claim has a lease");
                 self.ready.extend(messages.into_iter().map(|message| Ready {
                     message,
@@ -331,7 +328,7 @@ impl<'a> Scheduler<'a> {
                 }
             }
             let integration = entry.message.kind == MessageKind::Integration;
-            let lease_holds = now.add(timeout) <= entry.lease_until;
+            let lease_holds = now.saturating_add(timeout) <= entry.lease_until;
             if !lease_holds || (integration && !transport_up) {
                 // It cannot start on this claim: back, with its key's rest.
                 let entry = self.ready.remove(i).expect("in range");

@@ -153,7 +153,12 @@ impl Relay {
         }
         if let Some(request) = claim.filter(|_| first_error.is_none()) {
             match store.claim(&request).await {
-                Ok(messages) => claimed = Some(messages),
+                Ok(messages) => {
+                    if !messages.is_empty() {
+                        report.batches += 1;
+                    }
+                    claimed = Some(messages);
+                }
                 Err(e) => note(&mut first_error, e, "could not claim"),
             }
         }
@@ -177,7 +182,8 @@ impl Relay {
     ) -> Result<()> {
         let cfg = &self.inner.config;
         let now = self.now();
-        let retry_at = now.add(cfg.retry_policy.delay(m.attempts + 1, cfg.poll_interval));
+        let retry_at =
+            now.saturating_add(cfg.retry_policy.delay(m.attempts + 1, cfg.poll_interval));
         let outcome = self
             .inner
             .store
@@ -237,7 +243,7 @@ impl Relay {
             // Up to a quarter less, so that many deferred messages spread out.
             capped.mul_f64(1.0 - fastrand::f64() * 0.25)
         });
-        now.add(delay)
+        now.saturating_add(delay)
     }
 
     /// A handler of `message_type` succeeded: it is available again.

@@ -382,3 +382,23 @@ fn sends_carry_a_quarter_of_the_window() {
     assert_eq!(send_group_size(5), 2);
     assert_eq!(send_group_size(64), 16);
 }
+
+#[tokio::test]
+async fn a_running_relay_counts_its_batches_and_a_stopped_one_says_so() {
+    let clock = clock();
+    let store = Recording::new(&clock);
+    store.enqueue(vec![domain("Ok", None), domain("Ok", None)]);
+    let ran = Arc::default();
+    let handle = Relay::builder(store.clone())
+        .clock(clock.clone())
+        .dispatcher(handlers(&ran))
+        .spawn()
+        .unwrap();
+    handle.until_idle().await.unwrap();
+    let totals = handle.totals();
+    assert_eq!(totals.delivered, 2);
+    assert!(totals.batches >= 1, "{totals:?}");
+    handle.shutdown().await;
+    let e = handle.until_idle().await.unwrap_err();
+    assert_eq!(e.kind(), outbox_api::ErrorKind::Stopped, "{e}");
+}

@@ -12,7 +12,7 @@ impl Relay {
         let Some(retention) = self.inner.config.retention else {
             return Ok(0);
         };
-        let before = self.now().sub(retention);
+        let before = self.now().saturating_sub(retention);
         let store = &self.inner.store;
         // Batches with rests between them: see `outbox_api::backend::purge_in_batches`.
         outbox_api::backend::purge_in_batches(

@@ -591,7 +591,7 @@ pub async fn a_keys_later_messages_never_outlive_their_lease(f: Fixture, clock: 
     for (text, started, until) in &calls {
         let until = until.expect("a handler runs on a leased message");
         assert!(
-            started.add(Duration::from_secs(30)) <= until,
+            started.saturating_add(Duration::from_secs(30)) <= until,
             "message {text} started at {started:?} on a lease ending {until:?}: it could be taken mid-delivery"
         );
     }
@@ -695,7 +695,7 @@ pub async fn deliveries_waiting_for_a_slot_never_outlive_their_lease(
     for (text, started, until) in &calls {
         let until = until.expect("a handler runs on a leased message");
         assert!(
-            started.add(Duration::from_secs(30)) <= until,
+            started.saturating_add(Duration::from_secs(30)) <= until,
             "message {text} started at {started:?} on a lease ending {until:?}"
         );
     }

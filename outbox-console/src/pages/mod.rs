@@ -537,12 +537,12 @@ mod tests {
     #[test]
     fn table_health_names_poison_and_age() {
         let now = Timestamp::from_millis(1_000_000);
-        let ok = Stats::new(3, 0, 9, Some(now.sub(Duration::from_secs(10))));
+        let ok = Stats::new(3, 0, 9, Some(now.saturating_sub(Duration::from_secs(10))));
         assert_eq!(
             table_health(&ok, Duration::from_secs(300), now).0,
             HealthStatus::Healthy
         );
-        let old = Stats::new(3, 1, 9, Some(now.sub(Duration::from_secs(600))));
+        let old = Stats::new(3, 1, 9, Some(now.saturating_sub(Duration::from_secs(600))));
         let (s, reasons) = table_health(&old, Duration::from_secs(300), now);
         assert_eq!(s, HealthStatus::Degraded);
         assert_eq!(reasons.len(), 2, "{reasons:?}");

@@ -105,7 +105,7 @@ pub(super) async fn purge_inbox_loop(
     mut shutdown: watch::Receiver<bool>,
 ) {
     while !*shutdown.borrow() {
-        let before = outbox_api::Timestamp::now().sub(retention);
+        let before = outbox_api::Timestamp::now().saturating_sub(retention);
         let stop = shutdown.clone();
         let purged = outbox_api::backend::purge_in_batches(
             RabbitConsumerBuilder::INBOX_PURGE_BATCH,

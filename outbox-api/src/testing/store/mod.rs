@@ -110,12 +110,12 @@ async fn get(s: &dyn StoreUnderTest, id: MessageId) -> Message {
 pub async fn claims_in_commit_order(s: &dyn StoreUnderTest) {
     let a = s.enqueue(vec![domain(1), domain(2)]).await;
     let b = s.enqueue(vec![domain(3)]).await;
-    let now = t0().add(Duration::from_millis(1));
+    let now = t0().saturating_add(Duration::from_millis(1));
     let claimed = s.store().claim(&req("w1", 10, now)).await.unwrap();
     assert_eq!(ids(&claimed), [a, b].concat());
     for m in &claimed {
         assert_eq!(m.locked_by.as_deref(), Some("w1"));
-        assert_eq!(m.locked_until, Some(now.add(LEASE)));
+        assert_eq!(m.locked_until, Some(now.saturating_add(LEASE)));
         assert_eq!(m.attempts, 0, "claiming does not count an attempt");
         assert_eq!(m.state, MessageState::Pending);
     }
@@ -127,7 +127,7 @@ pub async fn rolled_back_is_never_claimed(s: &dyn StoreUnderTest) {
     let kept = s.enqueue(vec![domain(2)]).await;
     let claimed = s
         .store()
-        .claim(&req("w", 10, t0().add(Duration::from_secs(1))))
+        .claim(&req("w", 10, t0().saturating_add(Duration::from_secs(1))))
         .await
         .unwrap();
     assert_eq!(ids(&claimed), kept);
@@ -137,7 +137,7 @@ pub async fn rolled_back_is_never_claimed(s: &dyn StoreUnderTest) {
 /// At most `limit` messages per claim.
 pub async fn claim_respects_limit(s: &dyn StoreUnderTest) {
     let all = s.enqueue((0..5).map(domain).collect()).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     let first = s.store().claim(&req("w", 2, now)).await.unwrap();
     assert_eq!(ids(&first), all[..2]);
     let second = s.store().claim(&req("w", 2, now)).await.unwrap();
@@ -147,9 +147,9 @@ pub async fn claim_respects_limit(s: &dyn StoreUnderTest) {
 /// A leased message is not claimed again while its lease holds.
 pub async fn leased_messages_are_not_claimed_twice(s: &dyn StoreUnderTest) {
     s.enqueue(vec![domain(1)]).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     assert_eq!(s.store().claim(&req("w1", 10, now)).await.unwrap().len(), 1);
-    let later = now.add(LEASE - Duration::from_secs(1));
+    let later = now.saturating_add(LEASE - Duration::from_secs(1));
     assert!(
         s.store()
             .claim(&req("w2", 10, later))
@@ -162,9 +162,9 @@ pub async fn leased_messages_are_not_claimed_twice(s: &dyn StoreUnderTest) {
 /// Once a lease expires another worker takes the message over.
 pub async fn expired_lease_is_reclaimed(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w1", 10, now)).await.unwrap();
-    let after = now.add(LEASE + Duration::from_secs(1));
+    let after = now.saturating_add(LEASE + Duration::from_secs(1));
     let taken = s.store().claim(&req("w2", 10, after)).await.unwrap();
     assert_eq!(ids(&taken), id);
     assert_eq!(taken[0].locked_by.as_deref(), Some("w2"));
@@ -186,7 +186,11 @@ pub async fn claim_honours_available_at(s: &dyn StoreUnderTest) {
     let m = get(s, id[0]).await;
     assert!(
         s.store()
-            .claim(&req("w", 10, m.available_at.sub(Duration::from_millis(1))))
+            .claim(&req(
+                "w",
+                10,
+                m.available_at.saturating_sub(Duration::from_millis(1))
+            ))
             .await
             .unwrap()
             .is_empty()
@@ -204,7 +208,7 @@ pub async fn claim_honours_available_at(s: &dyn StoreUnderTest) {
 /// Completing marks processed, is idempotent, and processed is never claimed.
 pub async fn complete_marks_processed(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1), domain(2)]).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 10, now)).await.unwrap();
     s.store().complete(&id, now).await.unwrap();
     s.store().complete(&id, now).await.unwrap();
@@ -214,7 +218,7 @@ pub async fn complete_marks_processed(s: &dyn StoreUnderTest) {
         assert_eq!(m.processed_at, Some(now));
         assert_eq!(m.locked_by, None);
     }
-    let later = now.add(LEASE * 2);
+    let later = now.saturating_add(LEASE * 2);
     assert!(
         s.store()
             .claim(&req("w", 10, later))
@@ -227,10 +231,10 @@ pub async fn complete_marks_processed(s: &dyn StoreUnderTest) {
 /// A failure counts one attempt, stores the error and reschedules.
 pub async fn fail_counts_and_reschedules(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await[0];
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 10, now)).await.unwrap();
     let mut f = failure("w", id, now, 5);
-    f.retry_at = now.add(Duration::from_secs(10));
+    f.retry_at = now.saturating_add(Duration::from_secs(10));
     assert_eq!(
         s.store().fail(&f).await.unwrap(),
         FailOutcome::Retrying { attempts: 1 }
@@ -241,14 +245,14 @@ pub async fn fail_counts_and_reschedules(s: &dyn StoreUnderTest) {
     assert_eq!(m.locked_by, None, "the lease is released");
     assert!(
         s.store()
-            .claim(&req("w", 10, now.add(Duration::from_secs(9))))
+            .claim(&req("w", 10, now.saturating_add(Duration::from_secs(9))))
             .await
             .unwrap()
             .is_empty()
     );
     let again = s
         .store()
-        .claim(&req("w", 10, now.add(Duration::from_secs(10))))
+        .claim(&req("w", 10, now.saturating_add(Duration::from_secs(10))))
         .await
         .unwrap();
     assert_eq!(again[0].attempts, 1);
@@ -257,7 +261,7 @@ pub async fn fail_counts_and_reschedules(s: &dyn StoreUnderTest) {
 /// The failure that reaches `max_attempts` poisons; poison is never claimed.
 pub async fn fail_poisons_at_max_attempts(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await[0];
-    let mut now = t0().add(Duration::from_secs(1));
+    let mut now = t0().saturating_add(Duration::from_secs(1));
     for attempt in 1..=3u32 {
         assert_eq!(s.store().claim(&req("w", 10, now)).await.unwrap().len(), 1);
         let outcome = s.store().fail(&failure("w", id, now, 3)).await.unwrap();
@@ -266,14 +270,14 @@ pub async fn fail_poisons_at_max_attempts(s: &dyn StoreUnderTest) {
         } else {
             assert_eq!(outcome, FailOutcome::Poisoned { attempts: 3 });
         }
-        now = now.add(Duration::from_millis(1));
+        now = now.saturating_add(Duration::from_millis(1));
     }
     let m = get(s, id).await;
     assert_eq!((m.state, m.attempts), (MessageState::Poisoned, 3));
     assert_eq!(m.last_error.as_deref(), Some("handler said no"));
     assert!(
         s.store()
-            .claim(&req("w", 10, now.add(LEASE * 10)))
+            .claim(&req("w", 10, now.saturating_add(LEASE * 10)))
             .await
             .unwrap()
             .is_empty()
@@ -283,7 +287,7 @@ pub async fn fail_poisons_at_max_attempts(s: &dyn StoreUnderTest) {
 /// Failing or releasing a message the worker does not hold changes nothing.
 pub async fn fail_without_lease_changes_nothing(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await[0];
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     assert_eq!(
         s.store().fail(&failure("w", id, now, 5)).await.unwrap(),
         FailOutcome::LeaseLost
@@ -314,9 +318,9 @@ pub async fn fail_without_lease_changes_nothing(s: &dyn StoreUnderTest) {
 /// Releasing keeps attempts, records the outage error, and reschedules.
 pub async fn release_does_not_count(s: &dyn StoreUnderTest) {
     let id = s.enqueue(vec![domain(1)]).await[0];
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 10, now)).await.unwrap();
-    let later = now.add(Duration::from_secs(5));
+    let later = now.saturating_add(Duration::from_secs(5));
     s.store()
         .release(&Release {
             worker: "w".into(),
@@ -353,7 +357,7 @@ pub async fn same_key_waits_for_predecessor(s: &dyn StoreUnderTest) {
             domain(3).key("other"),
         ])
         .await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     // One claim may take both, in order.
     let both = s.store().claim(&req("w1", 10, now)).await.unwrap();
     assert_eq!(ids(&both), k);
@@ -379,7 +383,7 @@ pub async fn same_key_waits_for_predecessor(s: &dyn StoreUnderTest) {
     );
     // A failed first message (waiting for retry) still blocks its key.
     let mut f = failure("w1", k[0], now, 5);
-    f.retry_at = now.add(Duration::from_secs(5));
+    f.retry_at = now.saturating_add(Duration::from_secs(5));
     s.store().fail(&f).await.unwrap();
     assert!(
         s.store()
@@ -388,7 +392,7 @@ pub async fn same_key_waits_for_predecessor(s: &dyn StoreUnderTest) {
             .unwrap()
             .is_empty()
     );
-    let later = now.add(Duration::from_secs(5));
+    let later = now.saturating_add(Duration::from_secs(5));
     let next = s.store().claim(&req("w2", 1, later)).await.unwrap();
     assert_eq!(ids(&next), k[..1]);
     s.store().complete(&k[..1], later).await.unwrap();
@@ -408,7 +412,7 @@ pub async fn poison_parks_only_its_key(s: &dyn StoreUnderTest) {
             domain(4),
         ])
         .await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 1, now)).await.unwrap();
     assert_eq!(
         s.store().fail(&failure("w", k[0], now, 1)).await.unwrap(),
@@ -435,7 +439,7 @@ pub async fn claim_filters_by_kind(s: &dyn StoreUnderTest) {
             domain(2).key("k"),
         ])
         .await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     let mut r = req("w", 10, now);
     r.kind = Some(MessageKind::Domain);
     let claimed = s.store().claim(&r).await.unwrap();
@@ -463,7 +467,7 @@ pub async fn commit_wakes_listener(s: &dyn StoreUnderTest) {
 /// Claims racing from many tasks never return the same message twice.
 pub async fn concurrent_claims_never_overlap(s: &dyn StoreUnderTest) {
     s.enqueue((0..200).map(domain).collect()).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     let mut tasks = Vec::new();
     for w in 0..8 {
         let store = s.store();
@@ -556,7 +560,7 @@ pub async fn complete_and_claim_completes_first(s: &dyn StoreUnderTest) {
             domain(4),
         ])
         .await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     let first = s.store().claim(&req("w", 1, now)).await.unwrap();
     assert_eq!(ids(&first), k[..1]);
     let next = s

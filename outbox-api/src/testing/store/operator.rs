@@ -16,7 +16,7 @@ pub async fn stats_count_states(s: &dyn StoreUnderTest) {
         (0, 0, 0, None)
     );
     let k = s.enqueue(vec![domain(1), domain(2), domain(3)]).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 2, now)).await.unwrap();
     s.store().complete(&k[..1], now).await.unwrap();
     s.store().fail(&failure("w", k[1], now, 1)).await.unwrap();
@@ -41,7 +41,7 @@ pub async fn stats_count_states(s: &dyn StoreUnderTest) {
 /// Purge deletes processed messages older than the cut-off, at most `limit` a call.
 pub async fn purge_removes_old_processed_in_batches(s: &dyn StoreUnderTest) {
     let k = s.enqueue((0..5).map(domain).collect()).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 4, now)).await.unwrap();
     s.store().complete(&k[..3], now).await.unwrap();
     s.store().fail(&failure("w", k[3], now, 1)).await.unwrap();
@@ -50,7 +50,7 @@ pub async fn purge_removes_old_processed_in_batches(s: &dyn StoreUnderTest) {
         0,
         "not older than the cut-off"
     );
-    let cut = now.add(Duration::from_millis(1));
+    let cut = now.saturating_add(Duration::from_millis(1));
     assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 2);
     assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 1);
     assert_eq!(s.store().purge_processed(cut, 2).await.unwrap(), 0);
@@ -66,7 +66,7 @@ pub async fn purge_removes_old_processed_in_batches(s: &dyn StoreUnderTest) {
 pub async fn operator_list_get_retry_discard(s: &dyn StoreUnderTest) {
     let other = NewMessage::new(MessageKind::Domain, "Other", b"o".to_vec());
     let k = s.enqueue(vec![domain(1), domain(2), other]).await;
-    let now = t0().add(Duration::from_secs(1));
+    let now = t0().saturating_add(Duration::from_secs(1));
     s.store().claim(&req("w", 1, now)).await.unwrap();
     s.store().fail(&failure("w", k[0], now, 1)).await.unwrap();
     let store = s.store();
