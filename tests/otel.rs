@@ -176,7 +176,7 @@ async fn trace_id_continues_across_rabbitmq() {
         .await
         .expect("start the consumer");
     let transport = RabbitTransport::builder(url.clone())
-        .with_routing_key(queue.clone())
+        .routing_key(queue.clone())
         .build()
         .await
         .unwrap();

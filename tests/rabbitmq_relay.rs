@@ -286,9 +286,9 @@ impl InboxHandler<SqliteConnection> for Recorder {
 
 async fn transport(url: String) -> RabbitTransport {
     RabbitTransport::builder(url)
-        .with_confirm_timeout(Duration::from_secs(3))
-        .with_connect_timeout(Duration::from_secs(2))
-        .with_reconnect_backoff(Duration::from_millis(20), Duration::from_millis(300))
+        .confirm_timeout(Duration::from_secs(3))
+        .connect_timeout(Duration::from_secs(2))
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(300))
         .build()
         .await
         .expect("connect the transport")

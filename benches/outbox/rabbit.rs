@@ -80,7 +80,7 @@ impl Broker {
 
     async fn transport(&self) -> RabbitTransport {
         RabbitTransport::builder(self.url.clone())
-            .with_routing_key(self.queue.clone())
+            .routing_key(self.queue.clone())
             .build()
             .await
             .unwrap()

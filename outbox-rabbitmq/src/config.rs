@@ -57,9 +57,9 @@ impl RabbitConfig {
             })
     }
 
-    /// Default [`confirm_timeout`](RabbitConfig::with_confirm_timeout): 10 s.
+    /// Default [`confirm_timeout`](RabbitConfig::confirm_timeout): 10 s.
     pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(10);
-    /// Default [`connect_timeout`](RabbitConfig::with_connect_timeout): 10 s.
+    /// Default [`connect_timeout`](RabbitConfig::connect_timeout): 10 s.
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
     /// Default first reconnect delay: 100 ms.
     pub const DEFAULT_RECONNECT_MIN: Duration = Duration::from_millis(100);
@@ -111,14 +111,14 @@ impl RabbitConfig {
     /// The exchange used for messages without a destination (default `""`,
     /// RabbitMQ's default exchange, which routes to the queue named by the
     /// routing key).
-    pub fn with_default_exchange(mut self, exchange: impl Into<String>) -> Self {
+    pub fn default_exchange(mut self, exchange: impl Into<String>) -> Self {
         self.default_exchange = exchange.into();
         self
     }
 
     /// The routing key used for messages without a destination. Without one,
     /// the routing key is the message's type.
-    pub fn with_routing_key(mut self, routing_key: impl Into<String>) -> Self {
+    pub fn routing_key(mut self, routing_key: impl Into<String>) -> Self {
         self.routing_key = Some(routing_key.into());
         self
     }
@@ -133,25 +133,21 @@ impl RabbitConfig {
     /// with the same count. A count the subscribers do not bind leaves some
     /// routing keys unroutable: those messages are `Rejected` (never lost
     /// silently).
-    pub fn with_partitioned_exchange(
-        mut self,
-        exchange: impl Into<String>,
-        partitions: u16,
-    ) -> Self {
+    pub fn partitioned_exchange(mut self, exchange: impl Into<String>, partitions: u16) -> Self {
         self.partitioned.insert(exchange.into(), partitions);
         self
     }
 
     /// How long to wait for the broker's confirms of a batch before the
     /// unconfirmed messages count as `Unavailable` (default 10 s).
-    pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
+    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
         self
     }
 
     /// How long one connection attempt (TCP, AMQP handshake, confirm
     /// channel) may take (default 10 s).
-    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
@@ -159,7 +155,7 @@ impl RabbitConfig {
     /// The delay before the first reconnect attempt after a failed one, and
     /// the longest delay it doubles up to (defaults 100 ms and 30 s; ±20 %
     /// jitter).
-    pub fn with_reconnect_backoff(mut self, first: Duration, max: Duration) -> Self {
+    pub fn reconnect_backoff(mut self, first: Duration, max: Duration) -> Self {
         self.reconnect_min = first;
         self.reconnect_max = max;
         self
@@ -167,7 +163,7 @@ impl RabbitConfig {
 
     /// The connection name shown in the RabbitMQ management UI (default
     /// `outbox-rs relay`).
-    pub fn with_connection_name(mut self, name: impl Into<String>) -> Self {
+    pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.connection_name = name.into();
         self
     }
@@ -178,22 +174,22 @@ impl RabbitConfig {
     }
 
     /// The default exchange.
-    pub fn default_exchange(&self) -> &str {
+    pub fn get_default_exchange(&self) -> &str {
         &self.default_exchange
     }
 
     /// The default routing key (`None`: the message type).
-    pub fn routing_key(&self) -> Option<&str> {
+    pub fn get_routing_key(&self) -> Option<&str> {
         self.routing_key.as_deref()
     }
 
     /// The confirm timeout.
-    pub fn confirm_timeout(&self) -> Duration {
+    pub fn get_confirm_timeout(&self) -> Duration {
         self.confirm_timeout
     }
 
     /// The connect timeout.
-    pub fn connect_timeout(&self) -> Duration {
+    pub fn get_connect_timeout(&self) -> Duration {
         self.connect_timeout
     }
 
@@ -375,18 +371,15 @@ mod tests {
     fn bad_values_name_the_field() {
         let base = || RabbitConfig::new("amqp://guest:guest@localhost:5672/%2f");
         base().validate().unwrap();
-        let err = base()
-            .with_routing_key("k".repeat(256))
-            .validate()
-            .unwrap_err();
+        let err = base().routing_key("k".repeat(256)).validate().unwrap_err();
         assert!(err.to_string().contains("routing_key"), "{err}");
         let err = base()
-            .with_default_exchange("x".repeat(300))
+            .default_exchange("x".repeat(300))
             .validate()
             .unwrap_err();
         assert!(err.to_string().contains("default_exchange"), "{err}");
         let err = base()
-            .with_confirm_timeout(Duration::ZERO)
+            .confirm_timeout(Duration::ZERO)
             .validate()
             .unwrap_err();
         assert!(err.to_string().contains("confirm_timeout"), "{err}");

@@ -274,7 +274,7 @@ impl Topology {
     /// Binds partition `i` of `partitions` to `exchange` with routing key
     /// `<routing_key>.<i>`, for every `i`: what the relay's transport
     /// publishes to an exchange configured with
-    /// [`with_partitioned_exchange`](crate::RabbitConfig::with_partitioned_exchange)
+    /// [`partitioned_exchange`](crate::RabbitConfig::partitioned_exchange)
     /// and the same count. Call once per routing key (e.g. message type).
     pub fn bind_partitioned(
         mut self,

@@ -140,7 +140,7 @@ impl Fixture {
 async fn transport() -> Arc<RabbitTransport> {
     Arc::new(
         RabbitTransport::builder(amqp_url())
-            .with_confirm_timeout(Duration::from_secs(20))
+            .confirm_timeout(Duration::from_secs(20))
             .build()
             .await
             .expect("connect to OUTBOX_AMQP_URL"),
@@ -389,9 +389,9 @@ async fn a_cut_connection_is_unavailable_for_every_concurrent_call() {
     let proxy = TcpProxy::start(broker_addr(&url).await).await;
     let transport = Arc::new(
         RabbitTransport::builder(url_via(&url, proxy.addr()))
-            .with_confirm_timeout(Duration::from_secs(5))
-            .with_connect_timeout(Duration::from_secs(3))
-            .with_reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+            .confirm_timeout(Duration::from_secs(5))
+            .connect_timeout(Duration::from_secs(3))
+            .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
             .build()
             .await
             .expect("connect through the proxy"),

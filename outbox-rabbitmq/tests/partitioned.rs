@@ -38,8 +38,8 @@ impl Fixture {
         let (exchange, dlx, dlq) = (unique_name("px"), unique_name("pdlx"), unique_name("pdlq"));
         let partitions = Partitions::new(unique_name("part"), PARTITIONS).unwrap();
         let transport = RabbitTransport::builder(amqp_url())
-            .with_default_exchange(exchange.as_str())
-            .with_partitioned_exchange(exchange.as_str(), PARTITIONS)
+            .default_exchange(exchange.as_str())
+            .partitioned_exchange(exchange.as_str(), PARTITIONS)
             .build()
             .await
             .expect("transport");
@@ -316,7 +316,7 @@ async fn bad_partition_settings_are_refused_naming_the_field() {
         .unwrap_err();
     assert!(e.to_string().contains("takeover_check"), "{e}");
     let e = RabbitTransport::builder("amqp://u:s3cret@h:5672/%2f")
-        .with_partitioned_exchange("x", 0)
+        .partitioned_exchange("x", 0)
         .validate()
         .unwrap_err();
     assert!(e.to_string().contains("partition"), "{e}");

@@ -177,7 +177,7 @@ impl Fixture {
 
 async fn transport_direct() -> RabbitTransport {
     RabbitTransport::builder(broker_url())
-        .with_confirm_timeout(Duration::from_secs(5))
+        .confirm_timeout(Duration::from_secs(5))
         .build()
         .await
         .expect("connect to OUTBOX_AMQP_URL")
@@ -196,9 +196,9 @@ async fn under_test() -> UnderTest {
     fixture.consume().await;
     let proxy = TcpProxy::start(broker_addr().await).await;
     let transport = RabbitTransport::builder(url_via(proxy.addr()))
-        .with_confirm_timeout(Duration::from_secs(3))
-        .with_connect_timeout(Duration::from_secs(3))
-        .with_reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
+        .confirm_timeout(Duration::from_secs(3))
+        .connect_timeout(Duration::from_secs(3))
+        .reconnect_backoff(Duration::from_millis(20), Duration::from_millis(200))
         .build()
         .await
         .expect("connect through the proxy");
@@ -242,9 +242,9 @@ async fn no_confirm_within_the_timeout_is_unavailable_then_recovers() {
     fx.consume().await;
     let proxy = TcpProxy::start(broker_addr().await).await;
     let transport = RabbitTransport::builder(url_via(proxy.addr()))
-        .with_confirm_timeout(Duration::from_millis(500))
-        .with_connect_timeout(Duration::from_millis(500))
-        .with_reconnect_backoff(Duration::from_millis(10), Duration::from_millis(100))
+        .confirm_timeout(Duration::from_millis(500))
+        .connect_timeout(Duration::from_millis(500))
+        .reconnect_backoff(Duration::from_millis(10), Duration::from_millis(100))
         .build()
         .await
         .expect("connect through the proxy");
@@ -395,8 +395,8 @@ async fn default_routing_uses_the_default_exchange_and_the_message_type() {
 
     // Configured defaults: exchange + fixed routing key.
     let transport = RabbitTransport::builder(broker_url())
-        .with_default_exchange(fx.exchange.as_str())
-        .with_routing_key("deliver")
+        .default_exchange(fx.exchange.as_str())
+        .routing_key("deliver")
         .build()
         .await
         .unwrap();
@@ -647,7 +647,7 @@ async fn logs_never_contain_the_password() {
         percent_encode(&uri.vhost)
     );
     let lazy = RabbitTransport::builder(wrong.as_str())
-        .with_reconnect_backoff(Duration::from_millis(1), Duration::from_millis(1))
+        .reconnect_backoff(Duration::from_millis(1), Duration::from_millis(1))
         .build_lazy()
         .unwrap();
     let _ = lazy.send(&[stored(message(0))]).await;
@@ -681,7 +681,7 @@ async fn malformed_url_is_a_config_error_with_the_password_redacted() {
 async fn unreachable_broker_fails_clearly() {
     // Port 1 on loopback: connection refused.
     let err = RabbitTransport::builder("amqp://guest:p4ssw0rd-x@127.0.0.1:1/%2f")
-        .with_connect_timeout(Duration::from_secs(3))
+        .connect_timeout(Duration::from_secs(3))
         .build()
         .await
         .unwrap_err();

@@ -223,8 +223,8 @@ async fn three_consumers_one_sigkilled_and_restarted() {
     let (exchange, dlx, dlq) = (unique_name("kx"), unique_name("kdlx"), unique_name("kdlq"));
     let partitions = Partitions::new(unique_name("kpart"), PARTITIONS).unwrap();
     let transport = RabbitTransport::builder(amqp_url())
-        .with_default_exchange(exchange.as_str())
-        .with_partitioned_exchange(exchange.as_str(), PARTITIONS)
+        .default_exchange(exchange.as_str())
+        .partitioned_exchange(exchange.as_str(), PARTITIONS)
         .build()
         .await
         .expect("transport");

@@ -16,8 +16,8 @@ impl PartitionedSetup {
         let partitions =
             Partitions::new(outbox_rabbitmq::testing::unique_name("bench-part"), count).unwrap();
         let transport = RabbitTransport::builder(url)
-            .with_default_exchange(exchange.as_str())
-            .with_partitioned_exchange(exchange.as_str(), count)
+            .default_exchange(exchange.as_str())
+            .partitioned_exchange(exchange.as_str(), count)
             .build()
             .await
             .unwrap();

@@ -132,15 +132,15 @@ pub fn check_url(url: &str) -> Result<String, Fail> {
 /// Warehouse its answers only.
 pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<RabbitTransport, Fail> {
     let mut config = RabbitTransport::builder(url)
-        .with_default_exchange(&names.exchange)
-        .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_connection_name(format!("minishop {who} relay"));
+        .default_exchange(&names.exchange)
+        .connect_timeout(CONNECT_TIMEOUT)
+        .connection_name(format!("minishop {who} relay"));
     let theirs = match who {
         "ordering" => &names.warehouse_partitions,
         _ => &names.ordering_partitions,
     };
     if let Some(p) = theirs {
-        config = config.with_partitioned_exchange(&names.exchange, p.count());
+        config = config.partitioned_exchange(&names.exchange, p.count());
     }
     config.build().await.context("connecting to RabbitMQ")
 }
@@ -222,8 +222,8 @@ pub async fn consumer(
     module: Arc<dyn InboxModule>,
 ) -> Result<Consumer, Fail> {
     let config = RabbitConfig::new(url)
-        .with_connect_timeout(CONNECT_TIMEOUT)
-        .with_connection_name(format!("minishop {} consumer", module.db().name));
+        .connect_timeout(CONNECT_TIMEOUT)
+        .connection_name(format!("minishop {} consumer", module.db().name));
     let what = format!("queue `{queue}`");
     spawn_consumer(RabbitConsumer::with_config(config, queue), what, module).await
 }

@@ -80,7 +80,7 @@ impl RabbitConsumer {
     /// (`amqp://user:password@host:port/vhost`).
     pub fn builder(url: impl Into<String>, queue: impl Into<String>) -> RabbitConsumerBuilder {
         Self::with_config(
-            RabbitConfig::new(url).with_connection_name("outbox-rs consumer"),
+            RabbitConfig::new(url).connection_name("outbox-rs consumer"),
             queue,
         )
     }
@@ -260,21 +260,21 @@ impl RabbitConsumerBuilder {
 
     /// How long one connection attempt may take (default 10 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
-        self.config = self.config.with_connect_timeout(timeout);
+        self.config = self.config.connect_timeout(timeout);
         self
     }
 
     /// First and longest delay between reconnect attempts (defaults 100 ms
     /// and 30 s, doubling, ±20 % jitter).
     pub fn reconnect_backoff(mut self, first: Duration, max: Duration) -> Self {
-        self.config = self.config.with_reconnect_backoff(first, max);
+        self.config = self.config.reconnect_backoff(first, max);
         self
     }
 
     /// The connection name shown in the RabbitMQ management UI (default
     /// `outbox-rs consumer`).
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
-        self.config = self.config.with_connection_name(name);
+        self.config = self.config.connection_name(name);
         self
     }
 
