@@ -18,7 +18,7 @@ use crate::common::{
 };
 
 pub async fn open(dir: &Path) -> SqliteStore {
-    let store = SqliteStore::open(dir.join("bench.db")).await.unwrap();
+    let store = SqliteStore::connect(dir.join("bench.db")).await.unwrap();
     store.migrate().await.unwrap();
     store
 }

@@ -48,7 +48,7 @@ fn claim_one(worker: &str) -> ClaimRequest {
 async fn empty_db() -> (tempfile::TempDir, PathBuf, SqliteStore) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("app.db");
-    let store = SqliteStore::open(&path).await.unwrap();
+    let store = SqliteStore::connect(&path).await.unwrap();
     store.migrate().await.unwrap();
     (dir, path, store)
 }
@@ -564,7 +564,7 @@ async fn named_tables_work() {
     let store = SqliteStore::builder(&path)
         .table("orders_outbox")
         .inbox_table("orders_inbox")
-        .open()
+        .connect()
         .await
         .unwrap();
     store.migrate().await.unwrap();

@@ -19,7 +19,7 @@ const TOKEN: &str = "serve-test-token-0123456789";
 async fn db() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("app.db");
-    let store = SqliteStore::open(&path).await.unwrap();
+    let store = SqliteStore::connect(&path).await.unwrap();
     store.migrate().await.unwrap();
     let mut conn = rusqlite::Connection::open(&path).unwrap();
     let tx = conn.transaction().unwrap();

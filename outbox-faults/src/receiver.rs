@@ -111,7 +111,7 @@ impl Receiver {
         let store = SqliteStore::builder(path)
             .table(RECEIVER_OUTBOX_TABLE)
             .inbox_table(RECEIVER_INBOX_TABLE)
-            .open()
+            .connect()
             .await
             .map_err(|e| format!("opening the receiver database: {e}"))?;
         store

@@ -164,7 +164,7 @@ async fn writers_and_relays_on_one_file_see_no_busy_errors() {
     };
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("app.db");
-    let store = SqliteStore::open(&db).await.unwrap();
+    let store = SqliteStore::connect(&db).await.unwrap();
     store.migrate().await.unwrap();
     open_connection(&db)
         .unwrap()

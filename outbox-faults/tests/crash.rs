@@ -26,7 +26,7 @@ async fn sigkill_and_restart_loses_nothing_and_duplicates_nothing() {
     let receiver_db = dir.path().join("receiver.db");
     let log = dir.path().join("children.log");
 
-    let store = SqliteStore::open(&outbox_db).await.unwrap();
+    let store = SqliteStore::connect(&outbox_db).await.unwrap();
     store.migrate().await.unwrap();
     let mut conn = open_connection(&outbox_db).unwrap();
     let mut expected = check::enqueue_many(

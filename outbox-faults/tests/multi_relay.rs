@@ -22,7 +22,7 @@ async fn four_relay_processes_deliver_each_message_once_in_key_order() {
     // and receiver transactions all contend for its write lock.
     let db = dir.path().join("app.db");
 
-    let store = SqliteStore::open(&db).await.unwrap();
+    let store = SqliteStore::connect(&db).await.unwrap();
     store.migrate().await.unwrap();
     let outbox = store.outbox();
     let mut conn = open_connection(&db).unwrap();

@@ -39,7 +39,7 @@ async fn survivor_takes_over_a_killed_relays_leases_after_they_expire() {
     let dir = tempfile::tempdir().unwrap();
     let outbox_db = dir.path().join("app.db");
     let receiver_db = dir.path().join("receiver.db");
-    let store = SqliteStore::open(&outbox_db).await.unwrap();
+    let store = SqliteStore::connect(&outbox_db).await.unwrap();
     store.migrate().await.unwrap();
     let mut conn = open_connection(&outbox_db).unwrap();
     let expected = check::enqueue_many(

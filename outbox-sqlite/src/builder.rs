@@ -102,7 +102,7 @@ impl SqliteStoreBuilder {
     /// Validates the configuration and opens the database (creating the
     /// file if needed) in WAL mode. Does not create tables: call
     /// [`SqliteStore::migrate`].
-    pub async fn open(self) -> Result<SqliteStore> {
+    pub async fn connect(self) -> Result<SqliteStore> {
         let sql = Sql::new(&self.table, &self.inbox_table)?;
         if self.change_poll.is_zero() {
             return Err(Error::config(
@@ -189,8 +189,8 @@ pub(crate) fn open_connection(path: &Path, busy: Duration, writer: bool) -> Resu
 
 impl SqliteStore {
     /// Opens the database at `path` with the default table names.
-    pub async fn open(path: impl AsRef<Path>) -> Result<SqliteStore> {
-        Self::builder(path).open().await
+    pub async fn connect(path: impl AsRef<Path>) -> Result<SqliteStore> {
+        Self::builder(path).connect().await
     }
 
     /// A builder for the database at `path`: table names, clock, timeouts.

@@ -1,9 +1,9 @@
-//! [`SqliteStoreBuilder::open_existing`]: opening an outbox table that must
+//! [`SqliteStoreBuilder::connect_existing`]: opening an outbox table that must
 //! already exist, without ever creating or migrating anything — for
 //! operators' tools (the `outbox` CLI), which must not leave a new file or
 //! table behind a typo.
 //!
-//! [`SqliteStoreBuilder::open`] creates a missing file and switches the
+//! [`SqliteStoreBuilder::connect`] creates a missing file and switches the
 //! database to WAL mode, so before it runs, the file, the database and the
 //! table are checked read-only.
 
@@ -24,7 +24,7 @@ impl SqliteStoreBuilder {
     /// not an outbox), `ErrorKind::Corrupt` (not a SQLite database),
     /// `ErrorKind::Config` (a name the stores refuse). The inbox table is
     /// not needed and not checked.
-    pub async fn open_existing(mut self) -> Result<SqliteStore> {
+    pub async fn connect_existing(mut self) -> Result<SqliteStore> {
         schema::validate_table_name("table", &self.table)?;
         let path = check_file(&self.path)?;
         let (checked, table) = (path.clone(), self.table.clone());
@@ -41,7 +41,7 @@ impl SqliteStoreBuilder {
             }
             .to_owned();
         }
-        self.open().await
+        self.connect().await
     }
 }
 

@@ -32,7 +32,7 @@ impl SqlxUnderTest {
         if let Some(clock) = clock {
             builder = builder.clock(clock);
         }
-        let store = builder.open().await.expect("open");
+        let store = builder.connect().await.expect("open");
         store.migrate().await.expect("migrate");
         let pool = SqlitePoolOptions::new()
             .max_connections(2)

@@ -12,7 +12,7 @@ async fn fresh_store() -> (tempfile::TempDir, SqliteStore) {
     let store = SqliteStore::builder(dir.path().join("outbox.db"))
         .table("test_outbox")
         .inbox_table("test_inbox")
-        .open()
+        .connect()
         .await
         .expect("open");
     store.migrate().await.expect("migrate");

@@ -27,7 +27,9 @@ fn req(worker: &str, limit: usize) -> ClaimRequest {
 
 async fn setup() -> (tempfile::TempDir, SqliteStore, SqlitePool) {
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(dir.path().join("app.db")).await.unwrap();
+    let store = SqliteStore::connect(dir.path().join("app.db"))
+        .await
+        .unwrap();
     store.migrate().await.unwrap();
     let pool = SqlitePoolOptions::new()
         .max_connections(2)
@@ -57,14 +59,14 @@ async fn bad_table_name_is_a_config_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     let err = SqliteStore::builder(dir.path().join("x.db"))
         .table("x; DROP TABLE y")
-        .open()
+        .connect()
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("x; DROP TABLE y"), "{err}");
     let err = SqliteStore::builder(dir.path().join("x.db"))
         .inbox_table("in-box")
-        .open()
+        .connect()
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Config);
@@ -79,7 +81,7 @@ async fn bad_table_name_is_a_config_error_naming_it() {
 async fn unopenable_database_names_the_path() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("no-such-dir").join("app.db");
-    let err = SqliteStore::open(&path).await.unwrap_err();
+    let err = SqliteStore::connect(&path).await.unwrap_err();
     assert!(
         err.to_string().contains(&path.display().to_string()),
         "{err}"
@@ -88,14 +90,14 @@ async fn unopenable_database_names_the_path() {
 
     let garbage = dir.path().join("garbage.db");
     std::fs::write(&garbage, vec![0x42u8; 8192]).unwrap();
-    let err = SqliteStore::open(&garbage).await.unwrap_err();
+    let err = SqliteStore::connect(&garbage).await.unwrap_err();
     assert!(err.to_string().contains("garbage.db"), "{err}");
 }
 
 #[tokio::test]
 async fn using_an_unmigrated_table_says_to_migrate() {
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(dir.path().join("a.db")).await.unwrap();
+    let store = SqliteStore::connect(dir.path().join("a.db")).await.unwrap();
     let err = store.claim(&req("w", 1)).await.unwrap_err();
     assert!(err.to_string().contains("migrate"), "{err}");
 }
@@ -109,7 +111,7 @@ async fn migrate_is_idempotent_and_per_table() {
     let other = SqliteStore::builder(store.path())
         .table("billing_outbox")
         .inbox_table("billing_inbox")
-        .open()
+        .connect()
         .await
         .unwrap();
     let other2 = other.clone();
@@ -215,7 +217,7 @@ fn two_stores_on_one_file_never_overlap() {
         let mut tasks = Vec::new();
         for w in 0..6 {
             // Each worker has its own store: its own connection.
-            let s = SqliteStore::open(store.path()).await.unwrap();
+            let s = SqliteStore::connect(store.path()).await.unwrap();
             tasks.push(tokio::spawn(async move {
                 let mut got = Vec::new();
                 loop {
@@ -440,7 +442,7 @@ fn attached_connections_wake_on_commit_of_long_transactions() {
         let dir = tempfile::tempdir().unwrap();
         let store = SqliteStore::builder(dir.path().join("a.db"))
             .change_poll_interval(Duration::from_secs(3600))
-            .open()
+            .connect()
             .await
             .unwrap();
         store.migrate().await.unwrap();
@@ -541,7 +543,9 @@ fn wal_high_water_pages(db: &std::path::Path, page_size: u64) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wal_is_checkpointed_in_the_background_below_sqlites_threshold() {
     let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(dir.path().join("wal.db")).await.unwrap();
+    let store = SqliteStore::connect(dir.path().join("wal.db"))
+        .await
+        .unwrap();
     store.migrate().await.unwrap();
     let outbox = store.outbox();
     let mut app = rusqlite::Connection::open(store.path()).unwrap();

@@ -18,7 +18,7 @@ impl Db {
     pub(super) async fn sqlite() -> Db {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("consumer.db");
-        let store = SqliteStore::open(&path).await.unwrap();
+        let store = SqliteStore::connect(&path).await.unwrap();
         store.migrate().await.unwrap();
         let options = SqliteConnectOptions::new()
             .filename(&path)

@@ -496,7 +496,7 @@ async fn open_sqlite(dir: &std::path::Path, name: &'static str) -> Result<Backen
     let store = SqliteStore::builder(&path)
         .table(format!("{name}_outbox"))
         .inbox_table(format!("{name}_inbox"))
-        .open()
+        .connect()
         .await
         .context(format!("opening the {name} database"))?;
     store

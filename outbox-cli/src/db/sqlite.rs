@@ -1,5 +1,5 @@
 //! Opening an outbox table in a SQLite file, without ever creating or
-//! migrating anything (the store's `open_existing`), and reading the
+//! migrating anything (the store's `connect_existing`), and reading the
 //! `sqlite:` URL.
 
 use std::path::{Path, PathBuf};
@@ -26,12 +26,12 @@ pub fn parse_path(url: &str, rest: &str) -> Result<PathBuf, CliError> {
 }
 
 /// Opens the outbox table `table` of the existing database at `path`
-/// ([`SqliteStoreBuilder::open_existing`](outbox_sqlite::SqliteStoreBuilder::open_existing):
+/// ([`SqliteStoreBuilder::connect_existing`](outbox_sqlite::SqliteStoreBuilder::connect_existing):
 /// read-only checks first, nothing created).
 pub async fn open(path: &Path, table: &str) -> Result<SqliteStore, CliError> {
     SqliteStore::builder(path)
         .table(table)
-        .open_existing()
+        .connect_existing()
         .await
         .map_err(CliError::from)
 }

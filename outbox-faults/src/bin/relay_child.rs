@@ -73,7 +73,7 @@ async fn run(args: ChildArgs) -> Result<(), String> {
 
 async fn run_sqlite(args: ChildArgs) -> Result<(), String> {
     let store = SqliteStore::builder(&args.outbox_db)
-        .open()
+        .connect()
         .await
         .map_err(|e| format!("opening the outbox: {e}"))?;
     store
