@@ -89,7 +89,7 @@ impl MemoryStore {
 
     /// Deletes at most `limit` inbox entries received before `before`
     /// (oldest first); returns how many.
-    pub fn purge_inbox(&self, before: Timestamp, limit: usize) -> u64 {
+    pub(crate) fn purge_inbox(&self, before: Timestamp, limit: usize) -> u64 {
         let mut inner = self.lock();
         let mut old: Vec<(Timestamp, (String, MessageId))> = inner
             .inbox

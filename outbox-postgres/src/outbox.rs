@@ -288,10 +288,8 @@ impl PgOutbox {
     }
 
     /// Deletes at most `limit` inbox entries received before `before`;
-    /// returns how many. Run it repeatedly (each call its own short
-    /// transaction) to purge in small batches, or use
-    /// [`PgStore::purge_inbox_in_batches`](crate::PgStore::purge_inbox_in_batches).
-    pub async fn purge_inbox(
+    /// returns how many ([`PgInbox`](crate::PgInbox)'s `purge`).
+    pub(crate) async fn purge_inbox(
         &self,
         conn: &mut PgConnection,
         before: Timestamp,

@@ -216,39 +216,6 @@ impl PgStore {
         &self.inner.sql.begin_claim
     }
 
-    /// Deletes at most `limit` inbox entries received before `before`;
-    /// returns how many. See [`purge_inbox_in_batches`](Self::purge_inbox_in_batches).
-    pub async fn purge_inbox(&self, before: Timestamp, limit: usize) -> Result<u64> {
-        let mut conn = self.acquire("purging the inbox").await?;
-        self.inner
-            .outbox
-            .purge_inbox(&mut conn, before, limit)
-            .await
-    }
-
-    /// Deletes every inbox entry received before `before`, at most `batch`
-    /// per statement, resting between statements
-    /// (`outbox_api::backend::purge_in_batches`); returns how many.
-    pub async fn purge_inbox_in_batches(&self, before: Timestamp, batch: usize) -> Result<u64> {
-        if batch == 0 {
-            return Err(Error::config("batch", "must be at least 1"));
-        }
-        outbox_api::backend::purge_in_batches(
-            batch,
-            || false,
-            |limit| self.purge_inbox(before, limit),
-        )
-        .await
-    }
-
-    async fn acquire(&self, what: &str) -> Result<sqlx::pool::PoolConnection<Postgres>> {
-        self.inner
-            .pool
-            .acquire()
-            .await
-            .map_err(|e| self.fail(e, what))
-    }
-
     /// A transaction with the claim's settings (one round trip).
     async fn begin_claim(&self, what: &str) -> Result<Transaction<'static, Postgres>> {
         self.inner

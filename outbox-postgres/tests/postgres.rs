@@ -274,9 +274,12 @@ async fn the_inbox_turns_duplicates_into_one_effect_and_is_purged_in_batches() {
     }
     tx.commit().await.unwrap();
     let later = Timestamp::now().saturating_add(Duration::from_secs(1));
-    assert_eq!(f.pg().purge_inbox(later, 3).await.unwrap(), 3);
-    assert_eq!(f.pg().purge_inbox_in_batches(later, 2).await.unwrap(), 6);
-    assert_eq!(f.pg().purge_inbox(later, 10).await.unwrap(), 0);
+    let inbox = outbox_postgres::PgInbox::new(f.pg().outbox(), f.pool().clone());
+    let purge = |limit| outbox_api::Inbox::purge(&inbox, later, limit);
+    assert_eq!(purge(3).await.unwrap(), 3);
+    let rest = outbox_api::backend::purge_in_batches(2, || false, purge).await;
+    assert_eq!(rest.unwrap(), 6);
+    assert_eq!(purge(10).await.unwrap(), 0);
 }
 
 #[tokio::test]

@@ -256,9 +256,8 @@ impl SqliteOutbox {
     }
 
     /// Deletes at most `limit` inbox entries received before `before`, with
-    /// sqlx; returns how many. See also
-    /// [`SqliteStore::purge_inbox`](crate::SqliteStore::purge_inbox).
-    pub async fn purge_inbox<'c, E>(
+    /// sqlx; returns how many ([`SqliteInbox`](crate::SqliteInbox)'s `purge`).
+    pub(crate) async fn purge_inbox<'c, E>(
         &self,
         executor: E,
         before: outbox_api::Timestamp,

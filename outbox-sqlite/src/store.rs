@@ -116,19 +116,6 @@ impl SqliteStore {
         &self.inner.sql.complete
     }
 
-    /// Deletes at most `limit` inbox entries received before `before`;
-    /// returns how many. Call it repeatedly to purge in small batches.
-    pub async fn purge_inbox(&self, before: Timestamp, limit: usize) -> Result<u64> {
-        let limit = to_i64(limit);
-        self.run("purging the inbox", move |conn, sql| {
-            let n = conn
-                .prepare_cached(&sql.purge_inbox)?
-                .execute(params![before.as_millis(), limit])?;
-            Ok(n as u64)
-        })
-        .await
-    }
-
     /// Runs `f` on the store's connection on the blocking pool, then starts
     /// a background checkpoint if its commits grew the WAL enough.
     pub(crate) async fn run<T, F>(&self, what: &'static str, f: F) -> Result<T>
