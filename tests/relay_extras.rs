@@ -185,7 +185,7 @@ impl outbox::Transport for SilentOnce {
         delivered.extend(batch.iter().map(|m| m.id));
         vec![outbox::Outcome::Delivered; batch.len()]
     }
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> outbox::Result<()> {
         Ok(())
     }
 }

@@ -47,7 +47,7 @@ impl Transport for Blackhole {
     async fn send(&self, batch: &[Message]) -> Vec<Outcome> {
         vec![Outcome::Unavailable("connection refused".into()); batch.len()]
     }
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> outbox::Result<()> {
         self.probes.fetch_add(1, Ordering::SeqCst);
         std::future::pending().await
     }

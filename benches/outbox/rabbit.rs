@@ -221,7 +221,7 @@ impl Transport for Timed {
         }
         outcomes
     }
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> outbox::Result<()> {
         self.inner.probe().await
     }
 }
@@ -287,7 +287,7 @@ async fn confirm_latency(
 }
 
 pub async fn figures(quick: bool) -> Vec<Figure> {
-    let url = match outbox_api::testing::services::find(outbox_api::testing::Service::RabbitMq) {
+    let url = match outbox_api::testing::services::find(&outbox_rabbitmq::testing::RABBITMQ) {
         Ok(url) => url,
         Err(how) => return vec![not_measured("RabbitMQ figures", &how)],
     };

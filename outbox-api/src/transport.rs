@@ -50,6 +50,7 @@ pub trait Transport: Send + Sync + Debug + 'static {
     async fn send(&self, batch: &[Message]) -> Vec<Outcome>;
 
     /// Checks whether the broker can be used again (e.g. reconnects); `Err`
-    /// says why not.
-    async fn probe(&self) -> Result<(), String>;
+    /// says why not (usually `ErrorKind::Unavailable`; a refused login is
+    /// `ErrorKind::Config`).
+    async fn probe(&self) -> crate::Result<()>;
 }

@@ -3,7 +3,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
 use outbox_api::backend::{Wakeup, WakeupListener};
-use outbox_api::{Message, MessageId, Outcome, Transport};
+use outbox_api::{Error, Message, MessageId, Outcome, Result, Transport};
 
 /// A transport that records what it delivered, with faults a test can
 /// switch on through its [`MemoryTransportHandle`] (in the manner of
@@ -161,11 +161,11 @@ impl Transport for MemoryTransport {
         outcomes
     }
 
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> Result<()> {
         let mut s = lock(&self.shared);
         s.probes += 1;
         match &s.down {
-            Some(reason) => Err(reason.clone()),
+            Some(reason) => Err(Error::unavailable(reason.clone())),
             None => Ok(()),
         }
     }

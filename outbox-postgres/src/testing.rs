@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
-use outbox_api::testing::{InboxUnderTest, Service, StoreUnderTest, service_url};
+use outbox_api::testing::{InboxUnderTest, ServiceSpec, StoreUnderTest, service_url};
 use std::time::Duration;
 
 use outbox_api::{
@@ -17,10 +17,20 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::{PgInbox, PgStore, PgStoreBuilder};
 
-/// The test database's URL: `OUTBOX_PG_URL`, else the local default if it
-/// answers; otherwise the test fails saying how to provide one.
+/// The PostgreSQL server the tests use: `OUTBOX_PG_URL`, else the local
+/// default `postgres://postgres@127.0.0.1:5432/test` if it answers.
+pub const POSTGRES: ServiceSpec = ServiceSpec {
+    name: "PostgreSQL",
+    variable: "OUTBOX_PG_URL",
+    local_url: "postgres://postgres@127.0.0.1:5432/test",
+    local_addr: ([127, 0, 0, 1], 5432),
+    setup: "database `test`, user `postgres` with trust authentication",
+};
+
+/// The test database's URL ([`POSTGRES`]); otherwise the test fails saying
+/// how to provide one.
 pub fn database_url() -> String {
-    service_url(Service::Postgres)
+    service_url(&POSTGRES)
 }
 
 /// A schema name no other fixture uses, in this process or another.

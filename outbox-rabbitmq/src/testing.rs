@@ -22,14 +22,23 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
-/// The broker for a test: `OUTBOX_AMQP_URL` if set, else the local
-/// default if it answers (see `outbox_api::testing::services`).
+/// The RabbitMQ broker the tests use: `OUTBOX_AMQP_URL`, else the local
+/// default `amqp://guest:guest@127.0.0.1:5672/%2f` if it answers.
+pub const RABBITMQ: outbox_api::testing::ServiceSpec = outbox_api::testing::ServiceSpec {
+    name: "RabbitMQ",
+    variable: "OUTBOX_AMQP_URL",
+    local_url: "amqp://guest:guest@127.0.0.1:5672/%2f",
+    local_addr: ([127, 0, 0, 1], 5672),
+    setup: "",
+};
+
+/// The broker for a test ([`RABBITMQ`]).
 ///
 /// # Panics
 /// When there is none (tests that need a broker fail, never skip), with a
 /// message saying how to provide one.
 pub fn amqp_url() -> String {
-    outbox_api::testing::service_url(outbox_api::testing::Service::RabbitMq)
+    outbox_api::testing::service_url(&RABBITMQ)
 }
 
 /// Declares on `channel` a direct exchange (auto-deleted) and an exclusive

@@ -155,13 +155,9 @@ impl Transport for RabbitTransport {
         self.inner.send(batch).await
     }
 
-    async fn probe(&self) -> std::result::Result<(), String> {
+    async fn probe(&self) -> Result<()> {
         let mut state = self.inner.state.lock().await;
-        self.inner
-            .ensure(&mut state, false)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.message().to_owned())
+        self.inner.ensure(&mut state, false).await.map(|_| ())
     }
 }
 

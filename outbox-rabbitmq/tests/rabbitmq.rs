@@ -271,7 +271,8 @@ async fn no_confirm_within_the_timeout_is_unavailable_then_recovers() {
     let why = transport
         .probe()
         .await
-        .expect_err("probe while the broker does not answer");
+        .expect_err("probe while the broker does not answer")
+        .to_string();
     assert!(why.contains("timed out"), "{why}");
 
     proxy.resume();
@@ -601,7 +602,7 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
 
     // A lazily built transport reports it from probe, also without the password.
     let lazy = RabbitTransport::builder(url.as_str()).build_lazy().unwrap();
-    let why = lazy.probe().await.unwrap_err();
+    let why = lazy.probe().await.unwrap_err().to_string();
     assert!(why.contains("authentication failed"), "{why}");
     assert!(!why.contains(secret), "{why}");
     let outcomes = lazy.send(&[stored(message(0))]).await;

@@ -21,7 +21,7 @@ pub use builder::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStoreBuilder}
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
 pub use inbox::SqliteInbox;
 pub use listener::SqliteListener;
-pub use outbox::{SqliteOutbox, SqlxEnqueue};
+pub use outbox::{SqliteEnqueue, SqliteOutbox};
 /// How one [`SqliteOutbox::receive_once`] ended (defined in `outbox-api`,
 /// shared with the other backends).
 pub use outbox_api::InboxOutcome;

@@ -212,8 +212,8 @@ impl SqliteOutbox {
     /// An [`Enqueue`] over an sqlx connection or transaction, for
     /// application code that is generic over the backend (and unit-tested
     /// on the memory backend).
-    pub fn with_sqlx<'a>(&'a self, conn: &'a mut sqlx::SqliteConnection) -> SqlxEnqueue<'a> {
-        SqlxEnqueue { outbox: self, conn }
+    pub fn with_sqlx<'a>(&'a self, conn: &'a mut sqlx::SqliteConnection) -> SqliteEnqueue<'a> {
+        SqliteEnqueue { outbox: self, conn }
     }
 
     /// Records with sqlx, in the transaction `executor`, that `consumer`
@@ -280,21 +280,21 @@ impl SqliteOutbox {
 
 /// An sqlx connection or transaction seen as an [`Enqueue`]; from
 /// [`SqliteOutbox::with_sqlx`].
-pub struct SqlxEnqueue<'a> {
+pub struct SqliteEnqueue<'a> {
     outbox: &'a SqliteOutbox,
     conn: &'a mut sqlx::SqliteConnection,
 }
 
-impl std::fmt::Debug for SqlxEnqueue<'_> {
+impl std::fmt::Debug for SqliteEnqueue<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqlxEnqueue")
+        f.debug_struct("SqliteEnqueue")
             .field("outbox", self.outbox)
             .finish_non_exhaustive()
     }
 }
 
 #[async_trait]
-impl Enqueue for SqlxEnqueue<'_> {
+impl Enqueue for SqliteEnqueue<'_> {
     async fn enqueue(&mut self, message: NewMessage) -> Result<MessageId> {
         self.outbox.enqueue(&mut *self.conn, message).await
     }

@@ -91,7 +91,7 @@ async fn probe_loop(relay: Weak<Inner>) {
             tokio::time::timeout(limit, AssertUnwindSafe(transport.probe()).catch_unwind()).await;
         let down = match result {
             Ok(Ok(Ok(()))) => None,
-            Ok(Ok(Err(reason))) => Some(reason),
+            Ok(Ok(Err(e))) => Some(e.message().to_owned()),
             Ok(Err(panic)) => Some(format!("probe panicked: {}", panic_message(&*panic))),
             Err(_) => Some(format!("probe did not answer within {limit:?}")),
         };

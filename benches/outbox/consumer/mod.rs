@@ -114,12 +114,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 pub async fn figures(quick: bool) -> Vec<Figure> {
-    use outbox_api::testing::{Service, services::find};
-    let url = match find(Service::RabbitMq) {
+    use outbox_api::testing::services::find;
+    let url = match find(&outbox_rabbitmq::testing::RABBITMQ) {
         Ok(url) => url,
         Err(how) => return vec![not_measured("consumer figures", &how)],
     };
-    let pg = find(Service::Postgres);
+    let pg = find(&outbox_postgres::testing::POSTGRES);
     let conn = match Connection::connect(&url, ConnectionProperties::default()).await {
         Ok(c) => c,
         Err(e) => return vec![not_measured("consumer figures", &e.to_string())],

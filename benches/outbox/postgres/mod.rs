@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox::{Handlers, Message, MessageId, NewMessage, Relay, Timestamp};
-use outbox_api::testing::services::{Service, find};
+use outbox_api::testing::services::find;
 use outbox_postgres::sqlx::{self, AssertSqlSafe, PgPool, Row};
 use outbox_postgres::testing::PgUnderTest;
 use outbox_postgres::tokio_postgres::{self, NoTls};
@@ -94,7 +94,7 @@ pub const PARTS: &[&str] = &[
 
 /// The figures of the parts `wanted` names.
 pub async fn figures(quick: bool, wanted: impl Fn(&str) -> bool) -> Vec<Figure> {
-    let url = match find(Service::Postgres) {
+    let url = match find(&outbox_postgres::testing::POSTGRES) {
         Ok(url) => url,
         Err(how) => return vec![not_measured("every PostgreSQL figure", &how)],
     };

@@ -129,7 +129,7 @@ impl Transport for EmbeddedBus {
         outcomes
     }
 
-    async fn probe(&self) -> Result<(), String> {
+    async fn probe(&self) -> outbox::Result<()> {
         Ok(())
     }
 }

@@ -126,7 +126,7 @@ fn two_hundred_orders_on_the_embedded_bus() {
 
 #[test]
 fn two_hundred_orders_through_rabbitmq() {
-    let url = outbox_api::testing::service_url(outbox_api::testing::Service::RabbitMq);
+    let url = outbox_api::testing::service_url(&outbox_rabbitmq::testing::RABBITMQ);
     let dir = tempfile::tempdir().unwrap();
     let f = run(
         minishop()
@@ -193,7 +193,7 @@ fn existing_schemas(url: &str, schemas: &[String]) -> Vec<String> {
 /// A load run on PostgreSQL in schemas of its own (`--isolated`), which
 /// are gone after it.
 fn postgres_load_run(extra: &[&str]) -> Finished {
-    let url = outbox_api::testing::service_url(outbox_api::testing::Service::Postgres);
+    let url = outbox_api::testing::service_url(&outbox_postgres::testing::POSTGRES);
     let dir = tempfile::tempdir().unwrap();
     let f = run(
         minishop()
@@ -236,7 +236,7 @@ fn two_hundred_orders_on_postgres() {
 
 #[test]
 fn two_hundred_orders_on_postgres_through_rabbitmq() {
-    let amqp = outbox_api::testing::service_url(outbox_api::testing::Service::RabbitMq);
+    let amqp = outbox_api::testing::service_url(&outbox_rabbitmq::testing::RABBITMQ);
     let f = postgres_load_run(&["--amqp", &amqp]);
     assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
 }

@@ -16,7 +16,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use outbox::postgres::sqlx::{self, Connection as _, PgConnection};
-use outbox_api::testing::{Service, service_url};
+use outbox_api::testing::service_url;
 
 const BIN: &str = env!("CARGO_BIN_EXE_minishop");
 const ORDERS: u64 = 300;
@@ -229,8 +229,8 @@ fn figure(stdout: &str, label: &str) -> u64 {
 
 #[test]
 fn three_warehouse_replicas_answer_every_order_once_through_a_sigkill() {
-    let amqp = service_url(Service::RabbitMq);
-    let pg = service_url(Service::Postgres);
+    let amqp = service_url(&outbox_rabbitmq::testing::RABBITMQ);
+    let pg = service_url(&outbox_postgres::testing::POSTGRES);
     let run = format!(
         "t{:x}{}",
         std::process::id(),

@@ -17,7 +17,7 @@ pub mod transport;
 
 pub use inbox::InboxUnderTest;
 pub use metrics::TestRecorder;
-pub use services::{Service, service_url};
+pub use services::{ServiceSpec, service_url};
 pub use store::StoreUnderTest;
 pub use transport::TransportUnderTest;
 
