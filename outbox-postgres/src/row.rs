@@ -5,8 +5,8 @@
 
 use outbox_api::backend::{RowColumns, decode_row};
 use outbox_api::{Message, MessageId};
-use sqlx::Row;
 use sqlx::postgres::PgRow;
+use sqlx::{Column, Row, TypeInfo};
 
 pub(crate) use outbox_api::backend::RowValues as Encoded;
 
@@ -81,10 +81,17 @@ impl RowColumns for Columns<'_> {
     }
 
     fn int(&self, i: usize) -> Result<Option<i64>, String> {
-        // `attempts` is an `integer`, the times `bigint`.
-        match self.get::<i64>(i) {
-            Ok(v) => Ok(v),
-            Err(e) => self.get::<i32>(i).map(|v| v.map(i64::from)).map_err(|_| e),
+        // `attempts` is an `integer`, the times `bigint`: read each as what
+        // it is (a failed read costs an error's allocation, on every row).
+        let int4 = self
+            .0
+            .columns()
+            .get(i)
+            .is_some_and(|c| c.type_info().name() == "INT4");
+        if int4 {
+            self.get::<i32>(i).map(|v| v.map(i64::from))
+        } else {
+            self.get::<i64>(i)
         }
     }
 
