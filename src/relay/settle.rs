@@ -153,14 +153,13 @@ impl Relay {
         }
         if let Some(request) = claim.filter(|_| first_error.is_none()) {
             match store.claim(&request).await {
-                Ok(messages) => {
-                    if !messages.is_empty() {
-                        report.batches += 1;
-                    }
-                    claimed = Some(messages);
-                }
+                Ok(messages) => claimed = Some(messages),
                 Err(e) => note(&mut first_error, e, "could not claim"),
             }
+        }
+        // A claim that returned messages, by either path above.
+        if claimed.as_ref().is_some_and(|m| !m.is_empty()) {
+            report.batches += 1;
         }
         self.inner.counters.add(&report);
         Round {

@@ -69,14 +69,8 @@ impl Recording {
         self.calls.lock().unwrap().push(call);
     }
 
-    fn enqueue(&self, messages: Vec<NewMessage>) -> Vec<MessageId> {
-        let mut tx = self.store.begin();
-        let ids = messages
-            .into_iter()
-            .map(|m| tx.enqueue(m).unwrap())
-            .collect();
-        tx.commit().unwrap();
-        ids
+    async fn enqueue(&self, messages: Vec<NewMessage>) -> Vec<MessageId> {
+        outbox_api::testing::StoreUnderTest::enqueue(&self.store, messages).await
     }
 
     /// Every id the relay gave back untouched, in order.
@@ -183,11 +177,13 @@ fn handlers(ran: &Arc<Mutex<Vec<MessageId>>>) -> Handlers {
 async fn a_failure_hands_back_the_rest_of_its_key_untouched_and_other_keys_go_on() {
     let clock = clock();
     let store = Recording::new(&clock);
-    let ids = store.enqueue(vec![
-        domain("Fail", Some("a")),
-        domain("Ok", Some("a")),
-        domain("Ok", Some("b")),
-    ]);
+    let ids = store
+        .enqueue(vec![
+            domain("Fail", Some("a")),
+            domain("Ok", Some("a")),
+            domain("Ok", Some("b")),
+        ])
+        .await;
     let ran = Arc::default();
     let relay = Relay::builder(store.clone())
         .clock(clock.clone())
@@ -226,7 +222,7 @@ async fn a_failure_hands_back_the_rest_of_its_key_untouched_and_other_keys_go_on
 async fn a_delivery_that_cannot_end_before_its_lease_does_is_given_back_then_claimed_again() {
     let clock = clock();
     let store = Recording::new(&clock);
-    let id = store.enqueue(vec![domain("Ok", None)])[0];
+    let id = store.enqueue(vec![domain("Ok", None)]).await[0];
     let (lease, timeout) = (Duration::from_secs(60), Duration::from_secs(30));
     // The first claim takes so long that less than `handler_timeout` of
     // its lease is left when it returns.
@@ -270,7 +266,9 @@ async fn a_delivery_that_cannot_end_before_its_lease_does_is_given_back_then_cla
 async fn claims_stop_once_a_batch_waits_beyond_the_deliveries_in_flight() {
     let clock = clock();
     let store = Recording::new(&clock);
-    store.enqueue((0..20).map(|_| domain("Slow", None)).collect());
+    store
+        .enqueue((0..20).map(|_| domain("Slow", None)).collect())
+        .await;
     let gate = Arc::new(Semaphore::new(0));
     let started = Arc::new(AtomicUsize::new(0));
     let (g, s) = (Arc::clone(&gate), Arc::clone(&started));
@@ -342,10 +340,12 @@ async fn claims_stop_once_a_batch_waits_beyond_the_deliveries_in_flight() {
 async fn without_a_transport_only_domain_messages_are_claimed() {
     let clock = clock();
     let store = Recording::new(&clock);
-    store.enqueue(vec![
-        domain("Ok", None),
-        NewMessage::new(MessageKind::Integration, "Out", b"{}".to_vec()),
-    ]);
+    store
+        .enqueue(vec![
+            domain("Ok", None),
+            NewMessage::new(MessageKind::Integration, "Out", b"{}".to_vec()),
+        ])
+        .await;
     let ran = Arc::default();
     let relay = Relay::builder(store.clone())
         .clock(clock.clone())
@@ -387,7 +387,9 @@ fn sends_carry_a_quarter_of_the_window() {
 async fn a_running_relay_counts_its_batches_and_a_stopped_one_says_so() {
     let clock = clock();
     let store = Recording::new(&clock);
-    store.enqueue(vec![domain("Ok", None), domain("Ok", None)]);
+    store
+        .enqueue(vec![domain("Ok", None), domain("Ok", None)])
+        .await;
     let ran = Arc::default();
     let handle = Relay::builder(store.clone())
         .clock(clock.clone())
