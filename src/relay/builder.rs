@@ -1,6 +1,6 @@
 //! Building a relay: `Relay::builder(store).dispatcher(..).transport(..).spawn()`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -10,6 +10,7 @@ use tokio::sync::{Notify, watch};
 
 use super::gate::Gate;
 use super::meter::Meter;
+use super::unavailable::HandlerUnavailability;
 use super::{Counters, Inner, Relay, RelayHandle};
 use crate::config::RelayConfig;
 
@@ -142,6 +143,10 @@ impl RelayBuilder {
         }
         let gate = Gate::new(self.transport.is_some());
         let meter = Meter::new(&self.config.name, self.transport.is_some());
+        let unavailable = HandlerUnavailability::new(
+            self.config.unavailable_initial,
+            self.config.unavailable_max,
+        );
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -157,7 +162,7 @@ impl RelayBuilder {
                 drains_started: AtomicU64::new(0),
                 idle: watch::channel(0).0,
                 last_store_error: Mutex::new(None),
-                unavailable: Mutex::new(HashMap::new()),
+                unavailable,
                 counters: Counters::default(),
                 meter,
             }),

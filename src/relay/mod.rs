@@ -22,9 +22,9 @@ mod schedule;
 mod settle;
 #[cfg(test)]
 mod tests;
+mod unavailable;
 mod upkeep;
 
-use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -42,6 +42,7 @@ pub use handle::RelayHandle;
 
 use gate::Gate;
 use schedule::{Mode, Scheduler};
+use unavailable::HandlerUnavailability;
 
 /// What one [`Relay::drain`] (or [`Relay::run_batch`]) did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -107,15 +108,6 @@ impl Counters {
     }
 }
 
-/// A message type whose handler said it is temporarily unavailable.
-#[derive(Debug, Clone)]
-struct Unavailable {
-    since: Timestamp,
-    reason: String,
-    /// Uncounted retries in a row, for the backoff.
-    streak: u32,
-}
-
 struct Inner {
     store: Arc<dyn Store>,
     transport: Option<Arc<dyn Transport>>,
@@ -132,7 +124,7 @@ struct Inner {
     idle: watch::Sender<u64>,
     last_store_error: Mutex<Option<String>>,
     /// Handlers that said "temporarily unavailable", by message type.
-    unavailable: Mutex<HashMap<String, Unavailable>>,
+    unavailable: HandlerUnavailability,
     counters: Counters,
     meter: meter::Meter,
 }

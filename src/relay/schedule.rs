@@ -435,8 +435,10 @@ impl<'a> Scheduler<'a> {
         }
         match outcome {
             DeliveryOutcome::Delivered => {
-                if m.kind == MessageKind::Domain {
-                    self.relay.handler_available(&m.message_type);
+                if m.kind == MessageKind::Domain
+                    && self.relay.inner.unavailable.available(&m.message_type)
+                {
+                    tracing::info!(message.type = %m.message_type, "handler is available again");
                 }
                 self.pending.done.push(m.id);
             }
@@ -447,7 +449,12 @@ impl<'a> Scheduler<'a> {
                 reason,
                 retry_after,
             } => {
-                let until = self.relay.defer_until(&m, &reason, retry_after);
+                let now = self.relay.now();
+                let until =
+                    self.relay
+                        .inner
+                        .unavailable
+                        .defer(&m.message_type, &reason, retry_after, now);
                 tracing::warn!(message.id = %m.id, message.type = %m.message_type, %reason, "handler temporarily unavailable; tried again later, not counted");
                 let error = format!("handler temporarily unavailable (not counted): {reason}");
                 self.pending.deferred.push((m.id, error, until));

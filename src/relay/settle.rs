@@ -11,7 +11,7 @@ use outbox_api::{
     ClaimRequest, Error, FailOutcome, Failure, Message, MessageId, Release, Result, Timestamp,
 };
 
-use super::{DrainReport, Relay, Unavailable, lock};
+use super::{DrainReport, Relay};
 
 /// What finished since the last store call and is not yet recorded.
 #[derive(Debug, Default)]
@@ -210,46 +210,5 @@ impl Relay {
             }
         }
         Ok(())
-    }
-
-    /// When a message whose handler said "temporarily unavailable" is tried
-    /// again: the handler's own delay if it gave one, else a backoff that
-    /// doubles with each unavailable answer of the type in a row (with
-    /// jitter), capped. Remembers the type as unavailable for health.
-    pub(super) fn defer_until(
-        &self,
-        m: &Message,
-        reason: &str,
-        requested: Option<std::time::Duration>,
-    ) -> Timestamp {
-        let cfg = &self.inner.config;
-        let now = self.now();
-        let mut map = lock(&self.inner.unavailable);
-        let entry = map
-            .entry(m.message_type.clone())
-            .or_insert_with(|| Unavailable {
-                since: now,
-                reason: String::new(),
-                streak: 0,
-            });
-        entry.reason = reason.to_owned();
-        entry.streak = entry.streak.saturating_add(1);
-        let delay = requested.unwrap_or_else(|| {
-            let doubled = cfg
-                .unavailable_initial
-                .saturating_mul(1u32 << (entry.streak - 1).min(16));
-            let capped = doubled.min(cfg.unavailable_max);
-            // Up to a quarter less, so that many deferred messages spread out.
-            capped.mul_f64(1.0 - fastrand::f64() * 0.25)
-        });
-        now.saturating_add(delay)
-    }
-
-    /// A handler of `message_type` succeeded: it is available again.
-    pub(super) fn handler_available(&self, message_type: &str) {
-        let mut map = lock(&self.inner.unavailable);
-        if !map.is_empty() && map.remove(message_type).is_some() {
-            tracing::info!(message.type = %message_type, "handler is available again");
-        }
     }
 }

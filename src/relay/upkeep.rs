@@ -90,19 +90,7 @@ impl Relay {
         if let TransportHealth::Down(r) = &transport {
             reasons.push(format!("transport down: {r}"));
         }
-        {
-            let unavailable = lock(&self.inner.unavailable);
-            let mut types: Vec<_> = unavailable.iter().collect();
-            types.sort_by(|a, b| a.0.cmp(b.0));
-            for (message_type, u) in types {
-                reasons.push(format!(
-                    "handler of `{message_type}` temporarily unavailable for {}s ({} uncounted retries): {}",
-                    self.now().since(u.since).as_secs(),
-                    u.streak,
-                    u.reason
-                ));
-            }
-        }
+        reasons.extend(self.inner.unavailable.reasons(now));
         let status = if !running {
             match lock(&self.inner.crashed).clone() {
                 Some(why) => reasons.insert(0, format!("relay is not running: {why}")),
