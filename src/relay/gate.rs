@@ -49,19 +49,41 @@ impl Gate {
     pub(super) fn health(&self) -> TransportHealth {
         lock(&self.state).health.clone()
     }
+
+    /// A send met an outage: closed with `reason`. Returns whether a probe
+    /// task must start (none runs yet).
+    fn went_down(&self, reason: String) -> bool {
+        let mut st = lock(&self.state);
+        if matches!(st.health, TransportHealth::Up) {
+            tracing::warn!(%reason, "transport unavailable; integration messages wait while it is probed");
+        }
+        st.health = TransportHealth::Down(reason);
+        !std::mem::replace(&mut st.probing, true)
+    }
+
+    /// A probe failed with `reason`: still closed, still probing.
+    fn probe_failed(&self, reason: String) {
+        lock(&self.state).health = TransportHealth::Down(reason);
+    }
+
+    /// A probe succeeded: open again, the probe task ends.
+    fn reopened(&self) {
+        let mut st = lock(&self.state);
+        tracing::info!("transport is back; integration messages flow again");
+        st.health = TransportHealth::Up;
+        st.probing = false;
+    }
+
+    /// The probe task ends without reopening (shutdown).
+    fn stopped_probing(&self) {
+        lock(&self.state).probing = false;
+    }
 }
 
 impl Relay {
     /// Pauses the transport after an outage and starts probing it (once).
     pub(super) fn transport_went_down(&self, reason: String) {
-        let start_probe = {
-            let mut st = lock(&self.inner.gate.state);
-            if matches!(st.health, TransportHealth::Up) {
-                tracing::warn!(%reason, "transport unavailable; integration messages wait while it is probed");
-            }
-            st.health = TransportHealth::Down(reason);
-            !std::mem::replace(&mut st.probing, true)
-        };
+        let start_probe = self.inner.gate.went_down(reason);
         self.inner.meter.transport(false);
         if start_probe {
             tokio::spawn(probe_loop(Arc::downgrade(&self.inner)));
@@ -83,7 +105,7 @@ async fn probe_loop(relay: Weak<Inner>) {
             return;
         };
         if *inner.shutdown.borrow() {
-            lock(&inner.gate.state).probing = false;
+            inner.gate.stopped_probing();
             return;
         }
         let limit = inner.config.probe_timeout;
@@ -95,21 +117,45 @@ async fn probe_loop(relay: Weak<Inner>) {
             Ok(Err(panic)) => Some(format!("probe panicked: {}", panic_message(&*panic))),
             Err(_) => Some(format!("probe did not answer within {limit:?}")),
         };
-        let mut st = lock(&inner.gate.state);
         match down {
             None => {
-                tracing::info!("transport is back; integration messages flow again");
-                st.health = TransportHealth::Up;
-                st.probing = false;
-                drop(st);
+                inner.gate.reopened();
                 inner.meter.transport(true);
                 inner.wake.notify_one();
                 return;
             }
             Some(reason) => {
-                st.health = TransportHealth::Down(reason);
+                inner.gate.probe_failed(reason);
                 pause = (pause * 2).min(inner.config.probe_max);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_outage_closes_the_gate_and_starts_one_probe_until_it_reopens() {
+        let gate = Gate::new(true);
+        assert!(gate.is_up());
+        assert!(
+            gate.went_down("connection reset".into()),
+            "the first outage starts a probe"
+        );
+        assert!(!gate.is_up());
+        assert!(!gate.went_down("again".into()), "one probe at a time");
+        gate.probe_failed("refused".into());
+        assert_eq!(gate.health(), TransportHealth::Down("refused".into()));
+        gate.reopened();
+        assert!(gate.is_up());
+        assert!(
+            gate.went_down("later".into()),
+            "after reopening, a new outage probes again"
+        );
+        gate.stopped_probing();
+        assert!(gate.went_down("after shutdown".into()));
+        assert_eq!(Gate::new(false).health(), TransportHealth::None);
     }
 }
