@@ -29,6 +29,7 @@ pub(crate) fn rusqlite_kind(e: &rusqlite::Error) -> ErrorKind {
 }
 
 /// What an sqlx error on SQLite means.
+#[cfg(feature = "sqlx")]
 pub(crate) fn sqlx_kind(e: &sqlx::Error) -> ErrorKind {
     match e {
         sqlx::Error::Database(db) => match db.code().and_then(|c| c.parse::<i32>().ok()) {
@@ -45,6 +46,7 @@ pub(crate) fn sqlx_kind(e: &sqlx::Error) -> ErrorKind {
 /// Whether a driver error (sqlx or rusqlite) says the database is
 /// unavailable or busy: the SQLite half of
 /// [`outbox_api::classify_handler_error`].
+#[cfg(feature = "sqlx")]
 pub(crate) fn driver_unavailable(e: &(dyn std::error::Error + 'static)) -> bool {
     e.downcast_ref::<sqlx::Error>()
         .is_some_and(|e| sqlx_kind(e) == ErrorKind::Unavailable)
@@ -74,6 +76,7 @@ pub(crate) fn from_rusqlite(e: rusqlite::Error, what: &str, table: &str) -> Erro
 }
 
 /// Maps an sqlx error met while doing `what` on `table`.
+#[cfg(feature = "sqlx")]
 pub(crate) fn from_sqlx(e: sqlx::Error, what: &str, table: &str) -> Error {
     if e.to_string().contains("no such table") {
         return no_table(what, table, e);
@@ -95,6 +98,7 @@ pub(crate) fn duplicate_id(
 }
 
 /// Whether a rusqlite error is a UNIQUE/PRIMARY KEY violation.
+#[cfg(feature = "rusqlite")]
 pub(crate) fn is_unique_violation(e: &rusqlite::Error) -> bool {
     matches!(e, rusqlite::Error::SqliteFailure(f, _)
         if f.extended_code == rusqlite::ffi::SQLITE_CONSTRAINT_UNIQUE

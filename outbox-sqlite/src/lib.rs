@@ -1,11 +1,18 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+// Without a driver feature the enqueue plumbing (statements, encoding) has
+// no caller: a store for relays and operators only.
+#![cfg_attr(
+    not(all(feature = "sqlx", feature = "rusqlite")),
+    allow(dead_code, unused_imports)
+)]
 
 mod builder;
 mod checkpoint;
 mod error;
 mod existing;
+#[cfg(feature = "sqlx")]
 mod inbox;
 mod listener;
 mod lock_wait;
@@ -19,9 +26,12 @@ pub mod testing;
 
 pub use builder::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStoreBuilder};
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
+#[cfg(feature = "sqlx")]
 pub use inbox::SqliteInbox;
 pub use listener::SqliteListener;
-pub use outbox::{SqliteEnqueue, SqliteOutbox};
+#[cfg(feature = "sqlx")]
+pub use outbox::SqliteEnqueue;
+pub use outbox::SqliteOutbox;
 /// How one [`SqliteOutbox::receive_once`] ended (defined in `outbox-api`,
 /// shared with the other backends).
 pub use outbox_api::InboxOutcome;
@@ -30,4 +40,7 @@ pub use store::SqliteStore;
 
 /// The sqlx and rusqlite versions this crate links against, re-exported so
 /// that applications use the same ones.
-pub use {rusqlite, sqlx};
+#[cfg(feature = "rusqlite")]
+pub use rusqlite;
+#[cfg(feature = "sqlx")]
+pub use sqlx;

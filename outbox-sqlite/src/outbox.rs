@@ -2,14 +2,23 @@
 //! transaction, with sqlx or rusqlite.
 
 use std::sync::Arc;
+#[cfg(any(feature = "sqlx", feature = "rusqlite"))]
 use std::sync::atomic::{AtomicBool, Ordering};
 
+#[cfg(feature = "sqlx")]
 use async_trait::async_trait;
-use outbox_api::{Clock, Enqueue, MessageId, NewMessage, Result};
+#[cfg(feature = "sqlx")]
+use outbox_api::Enqueue;
+use outbox_api::{Clock, MessageId, NewMessage, Result};
 
 use crate::listener::Signals;
 
-use crate::error::{duplicate_id, from_rusqlite, from_sqlx, is_unique_violation};
+#[cfg(any(feature = "sqlx", feature = "rusqlite"))]
+use crate::error::duplicate_id;
+#[cfg(feature = "sqlx")]
+use crate::error::from_sqlx;
+#[cfg(feature = "rusqlite")]
+use crate::error::{from_rusqlite, is_unique_violation};
 use crate::row::Encoded;
 use crate::schema::Sql;
 
@@ -29,8 +38,11 @@ pub struct SqliteOutbox {
 
 struct Shared {
     sql: Arc<Sql>,
+    #[cfg(feature = "sqlx")]
     sqlx_insert: Arc<str>,
+    #[cfg(feature = "sqlx")]
     sqlx_receive: Arc<str>,
+    #[cfg(feature = "sqlx")]
     sqlx_purge_inbox: Arc<str>,
     signals: Signals,
     clock: Arc<dyn Clock>,
@@ -49,8 +61,11 @@ impl SqliteOutbox {
     pub(crate) fn new(sql: Arc<Sql>, signals: Signals, clock: Arc<dyn Clock>) -> Self {
         SqliteOutbox {
             shared: Arc::new(Shared {
+                #[cfg(feature = "sqlx")]
                 sqlx_insert: Arc::from(sql.insert.as_str()),
+                #[cfg(feature = "sqlx")]
                 sqlx_receive: Arc::from(sql.receive.as_str()),
+                #[cfg(feature = "sqlx")]
                 sqlx_purge_inbox: Arc::from(sql.purge_inbox.as_str()),
                 sql,
                 signals,
@@ -75,6 +90,7 @@ impl SqliteOutbox {
         self.shared.signals.definite.notify();
     }
 
+    #[cfg(any(feature = "sqlx", feature = "rusqlite"))]
     fn encode(&self, message: NewMessage) -> Result<(MessageId, Encoded)> {
         let m = message.into_message(self.shared.clock.now())?;
         Ok((m.id, Encoded::new(m)))
@@ -86,6 +102,7 @@ impl SqliteOutbox {
     ///
     /// An invalid message is an `InvalidInput` error and writes nothing; an
     /// id that exists already is a `Conflict` naming it.
+    #[cfg(feature = "sqlx")]
     pub async fn enqueue<'c, E>(&self, executor: E, message: NewMessage) -> Result<MessageId>
     where
         E: sqlx::Executor<'c, Database = sqlx::Sqlite>,
@@ -121,6 +138,7 @@ impl SqliteOutbox {
     /// Validates `message` and writes it with rusqlite into the open
     /// transaction `conn` (a `&rusqlite::Transaction` derefs to it); returns
     /// its id. It becomes visible to relays when that transaction commits.
+    #[cfg(feature = "rusqlite")]
     pub fn enqueue_rusqlite(
         &self,
         conn: &rusqlite::Connection,
@@ -162,6 +180,7 @@ impl SqliteOutbox {
     /// transactions run longer). Call it once per connection, e.g. from
     /// `SqlitePoolOptions::after_connect`. It replaces any update, commit and
     /// rollback hooks set on the connection before.
+    #[cfg(feature = "sqlx")]
     pub async fn attach(&self, conn: &mut sqlx::SqliteConnection) -> Result<()> {
         let mut handle = conn
             .lock_handle()
@@ -186,6 +205,7 @@ impl SqliteOutbox {
     }
 
     /// [`attach`](Self::attach) for a rusqlite connection.
+    #[cfg(feature = "rusqlite")]
     pub fn attach_rusqlite(&self, conn: &rusqlite::Connection) -> Result<()> {
         let fail = |e| from_rusqlite(e, "attaching commit hooks", self.table());
         let dirty = Arc::new(AtomicBool::new(false));
@@ -212,6 +232,7 @@ impl SqliteOutbox {
     /// An [`Enqueue`] over an sqlx connection or transaction, for
     /// application code that is generic over the backend (and unit-tested
     /// on the memory backend).
+    #[cfg(feature = "sqlx")]
     pub fn with_sqlx<'a>(&'a self, conn: &'a mut sqlx::SqliteConnection) -> SqliteEnqueue<'a> {
         SqliteEnqueue { outbox: self, conn }
     }
@@ -219,6 +240,7 @@ impl SqliteOutbox {
     /// Records with sqlx, in the transaction `executor`, that `consumer`
     /// handles `message_id`. Returns `false` when it was recorded before:
     /// the message was handled already — skip the work, still acknowledge.
+    #[cfg(feature = "sqlx")]
     pub async fn try_receive<'c, E>(
         &self,
         executor: E,
@@ -241,6 +263,7 @@ impl SqliteOutbox {
 
     /// [`try_receive`](Self::try_receive) with rusqlite, in the open
     /// transaction `conn`.
+    #[cfg(feature = "rusqlite")]
     pub fn try_receive_rusqlite(
         &self,
         conn: &rusqlite::Connection,
@@ -257,6 +280,7 @@ impl SqliteOutbox {
 
     /// Deletes at most `limit` inbox entries received before `before`, with
     /// sqlx; returns how many ([`SqliteInbox`](crate::SqliteInbox)'s `purge`).
+    #[cfg(feature = "sqlx")]
     pub(crate) async fn purge_inbox<'c, E>(
         &self,
         executor: E,
@@ -280,11 +304,13 @@ impl SqliteOutbox {
 
 /// An sqlx connection or transaction seen as an [`Enqueue`]; from
 /// [`SqliteOutbox::with_sqlx`].
+#[cfg(feature = "sqlx")]
 pub struct SqliteEnqueue<'a> {
     outbox: &'a SqliteOutbox,
     conn: &'a mut sqlx::SqliteConnection,
 }
 
+#[cfg(feature = "sqlx")]
 impl std::fmt::Debug for SqliteEnqueue<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("SqliteEnqueue")
@@ -293,6 +319,7 @@ impl std::fmt::Debug for SqliteEnqueue<'_> {
     }
 }
 
+#[cfg(feature = "sqlx")]
 #[async_trait]
 impl Enqueue for SqliteEnqueue<'_> {
     async fn enqueue(&mut self, message: NewMessage) -> Result<MessageId> {
