@@ -1,14 +1,14 @@
 //! Building a relay: `Relay::builder(store).dispatcher(..).transport(..).spawn()`.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use outbox_api::{Clock, Dispatcher, Error, Result, Store, SystemClock, Transport};
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
 use super::gate::Gate;
+use super::lifecycle::Lifecycle;
 use super::meter::Meter;
 use super::unavailable::HandlerUnavailability;
 use super::{Counters, Inner, Relay, RelayHandle};
@@ -155,12 +155,8 @@ impl RelayBuilder {
                 clock: self.clock,
                 config: self.config,
                 gate,
-                shutdown: watch::channel(false).0,
-                running: AtomicBool::new(false),
-                crashed: Mutex::new(None),
+                lifecycle: Lifecycle::new(),
                 wake: Notify::new(),
-                drains_started: AtomicU64::new(0),
-                idle: watch::channel(0).0,
                 last_store_error: Mutex::new(None),
                 unavailable,
                 counters: Counters::default(),

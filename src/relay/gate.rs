@@ -104,7 +104,7 @@ async fn probe_loop(relay: Weak<Inner>) {
         let Some(transport) = inner.transport.clone() else {
             return;
         };
-        if *inner.shutdown.borrow() {
+        if inner.lifecycle.stop_requested() {
             inner.gate.stopped_probing();
             return;
         }

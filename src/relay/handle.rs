@@ -1,9 +1,8 @@
 //! The handle of a running relay: health, "until idle" for tests, shutdown.
 
 use std::sync::Mutex;
-use std::sync::atomic::Ordering;
 
-use outbox_api::{Error, ErrorKind, HealthReport, Result};
+use outbox_api::{HealthReport, Result};
 
 use super::{DrainReport, Relay, lock};
 
@@ -43,43 +42,26 @@ impl RelayHandle {
     /// keep the relay busy. Fails if the relay stops first, naming the
     /// panic if its task died.
     pub async fn until_idle(&self) -> Result<()> {
-        let inner = &self.relay.inner;
-        let target = inner.drains_started.load(Ordering::SeqCst) + 1;
-        let mut idle = inner.idle.subscribe();
-        self.wake();
-        loop {
-            if *idle.borrow_and_update() >= target {
-                return Ok(());
-            }
-            if !inner.running.load(Ordering::SeqCst) || idle.changed().await.is_err() {
-                return Err(self.stopped());
-            }
-        }
-    }
-
-    fn stopped(&self) -> Error {
-        match lock(&self.relay.inner.crashed).clone() {
-            Some(why) => Error::new(ErrorKind::Stopped, format!("the relay has stopped: {why}")),
-            None => Error::new(ErrorKind::Stopped, "the relay has stopped"),
-        }
+        self.relay.inner.lifecycle.until_idle(|| self.wake()).await
     }
 
     /// Stops claiming, finishes the deliveries in flight, gives unstarted
     /// leases back, and waits for the relay to stop.
     pub async fn shutdown(&self) {
-        self.relay.inner.shutdown.send_replace(true);
+        self.relay.inner.lifecycle.request_stop();
         let task = lock(&self.task).take();
         if let Some(task) = task {
             if let Err(e) = task.await {
                 tracing::error!(error = %e, "relay task ended abnormally");
             }
         }
-        self.relay.inner.running.store(false, Ordering::SeqCst);
+        // The task is gone (or never ran to its end): not running.
+        self.relay.inner.lifecycle.ended();
     }
 
     /// Whether the relay loop is running (false once it stopped or died).
     pub fn is_running(&self) -> bool {
-        self.relay.inner.running.load(Ordering::SeqCst)
+        self.relay.inner.lifecycle.is_running()
     }
 
     /// Totals since start.
@@ -92,6 +74,6 @@ impl Drop for RelayHandle {
     fn drop(&mut self) {
         // Dropping the handle stops the relay (the task notices at its next
         // step); leases of work in flight expire as after a crash.
-        self.relay.inner.shutdown.send_replace(true);
+        self.relay.inner.lifecycle.request_stop();
     }
 }

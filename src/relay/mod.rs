@@ -17,6 +17,7 @@ mod builder;
 mod deliver;
 mod gate;
 mod handle;
+mod lifecycle;
 mod meter;
 mod schedule;
 mod settle;
@@ -26,14 +27,14 @@ mod unavailable;
 mod upkeep;
 
 use std::panic::AssertUnwindSafe;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures_util::FutureExt;
 use outbox_api::{
     Clock, Dispatcher, Result, Store, Timestamp, Transport, WorkListener, panic_message,
 };
-use tokio::sync::{Notify, watch};
+use tokio::sync::Notify;
 
 use crate::config::RelayConfig;
 
@@ -41,6 +42,7 @@ pub use builder::RelayBuilder;
 pub use handle::RelayHandle;
 
 use gate::Gate;
+use lifecycle::Lifecycle;
 use schedule::{Mode, Scheduler};
 use unavailable::HandlerUnavailability;
 
@@ -115,13 +117,8 @@ struct Inner {
     clock: Arc<dyn Clock>,
     config: RelayConfig,
     gate: Gate,
-    shutdown: watch::Sender<bool>,
-    running: AtomicBool,
-    /// Why the relay task died, if it did.
-    crashed: Mutex<Option<String>>,
+    lifecycle: Lifecycle,
     wake: Notify,
-    drains_started: AtomicU64,
-    idle: watch::Sender<u64>,
     last_store_error: Mutex<Option<String>>,
     /// Handlers that said "temporarily unavailable", by message type.
     unavailable: HandlerUnavailability,
@@ -185,7 +182,7 @@ impl Relay {
         // Held by the task: its id is free again when the task ends — or is
         // dropped with its runtime, never having ended.
         let live = builder::LiveWorker(id);
-        self.inner.running.store(true, Ordering::SeqCst);
+        self.inner.lifecycle.started();
         let relay = self.clone();
         let task = tokio::spawn(async move {
             let outcome = AssertUnwindSafe(relay.clone().run()).catch_unwind().await;
@@ -193,9 +190,7 @@ impl Relay {
             if let Err(panic) = outcome {
                 let text = format!("relay task panicked: {}", panic_message(&*panic));
                 tracing::error!(worker = %relay.inner.config.worker_id, "{text}");
-                *lock(&relay.inner.crashed) = Some(text);
-                relay.inner.running.store(false, Ordering::SeqCst);
-                relay.inner.idle.send_modify(|_| {});
+                relay.inner.lifecycle.crashed(text);
             }
         });
         Ok(RelayHandle::new(self, task))
@@ -206,7 +201,7 @@ impl Relay {
     }
 
     fn stopping(&self) -> bool {
-        *self.inner.shutdown.borrow()
+        self.inner.lifecycle.stop_requested()
     }
 
     /// Claims and delivers until nothing is claimable and everything
@@ -220,10 +215,10 @@ impl Relay {
         &self,
         listener: Option<&mut Box<dyn WorkListener>>,
     ) -> Result<DrainReport> {
-        let started = self.inner.drains_started.fetch_add(1, Ordering::SeqCst) + 1;
+        let number = self.inner.lifecycle.drain_started();
         let result = Scheduler::new(self, Mode::Drain, listener).run().await;
         if result.is_ok() {
-            self.inner.idle.send_modify(|v| *v = (*v).max(started));
+            self.inner.lifecycle.drain_idle(number);
         }
         result
     }
@@ -251,7 +246,7 @@ impl Relay {
             }
         }
         let mut listener = self.inner.store.listen();
-        let mut shutdown = self.inner.shutdown.subscribe();
+        let mut shutdown = self.inner.lifecycle.stop_signal();
         let purger = cfg
             .retention
             .is_some()
@@ -288,8 +283,7 @@ impl Relay {
                 tracing::error!(error = %e, "purge task ended abnormally");
             }
         }
-        self.inner.running.store(false, Ordering::SeqCst);
-        self.inner.idle.send_modify(|_| {});
+        self.inner.lifecycle.ended();
         tracing::info!(worker = %cfg.worker_id, "relay stopped");
     }
 }

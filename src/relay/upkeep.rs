@@ -1,7 +1,5 @@
 //! Upkeep beside the deliveries: the retention purge and health.
 
-use std::sync::atomic::Ordering;
-
 use outbox_api::{HealthReport, HealthStatus, Result, TransportHealth, backlog_reasons};
 
 use super::{Relay, lock};
@@ -26,7 +24,7 @@ impl Relay {
     /// Purges past retention every `purge_interval` until shutdown; runs
     /// beside the delivery loop, so a long purge never delays deliveries.
     pub(super) async fn purge_loop(self) {
-        let mut shutdown = self.inner.shutdown.subscribe();
+        let mut shutdown = self.inner.lifecycle.stop_signal();
         while !*shutdown.borrow() {
             match self.purge().await {
                 Ok(n) if n > 0 => {
@@ -45,7 +43,7 @@ impl Relay {
     /// Reads the backlog every `every` and records it in the gauges, until
     /// shutdown; in its own task, so a slow count never delays deliveries.
     pub(super) async fn gauge_loop(self, every: std::time::Duration) {
-        let mut shutdown = self.inner.shutdown.subscribe();
+        let mut shutdown = self.inner.lifecycle.stop_signal();
         while !*shutdown.borrow() {
             match self.inner.store.backlog().await {
                 Ok(b) => self.inner.meter.backlog(&b, self.now()),
@@ -66,7 +64,7 @@ impl Relay {
     pub async fn health(&self) -> HealthReport {
         let cfg = &self.inner.config;
         let mut reasons = Vec::new();
-        let running = self.inner.running.load(Ordering::SeqCst);
+        let running = self.inner.lifecycle.is_running();
         let transport = self.inner.gate.health();
         let now = self.now();
         let (pending, poisoned, oldest) = match self.inner.store.backlog().await {
@@ -92,7 +90,7 @@ impl Relay {
         }
         reasons.extend(self.inner.unavailable.reasons(now));
         let status = if !running {
-            match lock(&self.inner.crashed).clone() {
+            match self.inner.lifecycle.crash_reason() {
                 Some(why) => reasons.insert(0, format!("relay is not running: {why}")),
                 None => reasons.insert(0, "relay is not running".into()),
             }
