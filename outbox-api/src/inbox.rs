@@ -71,50 +71,13 @@ pub trait Inbox: Send + Sync + 'static {
 
 /// What runs inside an inbox transaction: a receiver's handler applied to
 /// one received message. Implemented by receivers (the RabbitMQ consumer
-/// binds its `InboxHandler` and the delivery); [`work_fn`] makes one of a
-/// closure.
+/// binds its `InboxHandler` and the delivery).
 #[async_trait]
 pub trait InboxWork<Conn: ?Sized + Send>: Send + Sync {
     /// The message's effects, done with `conn` (the open inbox
     /// transaction). Do not commit or roll back; return every database
     /// error met (a failed statement may have aborted the transaction).
     async fn run(&self, conn: &mut Conn) -> std::result::Result<(), HandlerError>;
-}
-
-/// An [`InboxWork`] made of a closure returning a boxed future; see
-/// [`work_fn`].
-pub struct WorkFn<F>(F);
-
-impl<F> std::fmt::Debug for WorkFn<F> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("WorkFn")
-    }
-}
-
-/// The future a closure given to [`work_fn`] returns.
-pub type WorkFuture<'a> = std::pin::Pin<
-    Box<dyn std::future::Future<Output = std::result::Result<(), HandlerError>> + Send + 'a>,
->;
-
-/// Turns a closure into an [`InboxWork`]:
-/// `work_fn(|conn: &mut SqliteConnection| -> WorkFuture<'_> { Box::pin(async move { … }) })`.
-pub fn work_fn<Conn, F>(f: F) -> WorkFn<F>
-where
-    Conn: ?Sized + Send,
-    F: for<'a> Fn(&'a mut Conn) -> WorkFuture<'a> + Send + Sync,
-{
-    WorkFn(f)
-}
-
-#[async_trait]
-impl<Conn, F> InboxWork<Conn> for WorkFn<F>
-where
-    Conn: ?Sized + Send,
-    F: for<'a> Fn(&'a mut Conn) -> WorkFuture<'a> + Send + Sync,
-{
-    async fn run(&self, conn: &mut Conn) -> std::result::Result<(), HandlerError> {
-        (self.0)(conn).await
-    }
 }
 
 /// The one classification of a handler's error, on every store: an error

@@ -35,10 +35,7 @@ pub use enqueue::Enqueue;
 pub use error::{Error, ErrorKind, Result};
 pub use guard::{HandlerOutcome, TemporarilyUnavailable, run_guarded};
 pub use health::{HealthReport, HealthStatus, TransportHealth, backlog_reasons, format_age};
-pub use inbox::{
-    Inbox, InboxOutcome, InboxWork, WorkFn, WorkFuture, classify_handler_error, run_inbox_handler,
-    work_fn,
-};
+pub use inbox::{Inbox, InboxOutcome, InboxWork, classify_handler_error, run_inbox_handler};
 pub use message::{
     Destination, Message, MessageId, MessageKind, MessageState, NewMessage, OutboxMessage,
     Timestamp, is_valid_traceparent, limits,

@@ -3,8 +3,6 @@
 //! Templates are [maud]: every `(expr)` is HTML-escaped unless wrapped in
 //! `PreEscaped`, which this crate never does with data from a store.
 
-use std::time::Duration;
-
 use axum::http::StatusCode;
 use axum::response::{Html, IntoResponse, Response};
 use maud::{DOCTYPE, Markup, html};
@@ -103,10 +101,8 @@ pub(crate) fn login_page(state: &State, status: StatusCode, problem: Option<&str
     respond(status, page_without_nav(state, "Log in", body))
 }
 
-/// `1d 2h`, `3h 4m`, `5m 6s`, `7s`, `120ms`.
-pub(crate) fn age(d: Duration) -> String {
-    outbox_api::format_age(d)
-}
+/// `1d 2h`, `3h`, `5m 6s`, `7s`, `120ms`: the ages of the relay and the CLI.
+pub(crate) use outbox_api::format_age as age;
 
 /// A time with its age: `2024-… (5m 3s ago)`.
 pub(crate) fn when(t: Timestamp, now: Timestamp) -> String {
@@ -268,6 +264,8 @@ nav.tabs a.current { font-weight: 700; text-decoration: none; color: inherit; }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     #[test]

@@ -4,63 +4,39 @@
 
 use super::*;
 
-/// An operator action: `OperatorAction` (its precondition, refusal and
-/// audit note are the stores'), with what the pages say about it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Action(OperatorAction);
+/// The action named in a URL (`retry`, `discard`); its precondition,
+/// refusal and audit note are `OperatorAction`'s, as in the stores.
+fn parse_action(st: &State, s: &str) -> Result<OperatorAction, Response> {
+    match s {
+        "retry" => Ok(OperatorAction::Retry),
+        "discard" => Ok(OperatorAction::Discard),
+        _ => Err(error_page(
+            st,
+            StatusCode::NOT_FOUND,
+            "Not found",
+            "The actions are retry and discard.",
+        )),
+    }
+}
 
-impl Action {
-    const RETRY: Action = Action(OperatorAction::Retry);
-    const DISCARD: Action = Action(OperatorAction::Discard);
+/// Why `action` does not apply to `m`, if it does not.
+fn refused(action: OperatorAction, m: &Message) -> Option<String> {
+    action
+        .check(m.id, m.state)
+        .err()
+        .map(|e| e.message().to_owned())
+}
 
-    fn parse(st: &State, s: &str) -> Result<Action, Response> {
-        match s {
-            "retry" => Ok(Action::RETRY),
-            "discard" => Ok(Action::DISCARD),
-            _ => Err(error_page(
-                st,
-                StatusCode::NOT_FOUND,
-                "Not found",
-                "The actions are retry and discard.",
-            )),
+/// What the action does, for the confirmation pages.
+fn consequence(action: OperatorAction) -> &'static str {
+    match action {
+        OperatorAction::Retry => {
+            "Its attempts go back to 0 and the relay delivers it again at once; the audit note \
+             in its last error says who retried it and when."
         }
-    }
-
-    fn name(self) -> &'static str {
-        self.0.name()
-    }
-
-    fn done(self) -> &'static str {
-        self.0.done()
-    }
-
-    /// Why the action does not apply to `m`, if it does not.
-    fn refused(self, m: &Message) -> Option<String> {
-        self.0
-            .check(m.id, m.state)
-            .err()
-            .map(|e| e.message().to_owned())
-    }
-
-    async fn apply(
-        self,
-        store: &dyn OperatorStore,
-        id: MessageId,
-        by: &str,
-    ) -> outbox_api::Result<()> {
-        self.0.apply(store, id, by, Timestamp::now()).await
-    }
-
-    fn consequence(self) -> &'static str {
-        match self {
-            Action::RETRY => {
-                "Its attempts go back to 0 and the relay delivers it again at once; the audit note \
-                 in its last error says who retried it and when."
-            }
-            Action::DISCARD => {
-                "It is marked processed without being delivered — it is never sent — and the \
-                 later messages of its key may go on. Retention purges it later."
-            }
+        OperatorAction::Discard => {
+            "It is marked processed without being delivered — it is never sent — and the \
+             later messages of its key may go on. Retention purges it later."
         }
     }
 }
@@ -72,10 +48,10 @@ pub(crate) async fn confirm_one(
 ) -> Page {
     let (name, id, action) = path(&st, p)?;
     let o = st.outbox(&name)?;
-    let action = Action::parse(&st, &action)?;
+    let action = parse_action(&st, &action)?;
     let id = parse_id(&st, &id)?;
     let m = fetch(&st, o, id).await?;
-    if let Some(why) = action.refused(&m) {
+    if let Some(why) = refused(action, &m) {
         return Err(error_page(
             &st,
             StatusCode::CONFLICT,
@@ -95,10 +71,10 @@ pub(crate) async fn confirm_one(
             tr { th { "attempts" } td { (m.attempts) } }
             tr { th { "last error" } td { @if let Some(e) = &m.last_error { (view::short(e, 300)) } } }
         } }
-        p { (action.consequence()) }
+        p { (consequence(action)) }
         form.actions method="post" action={ (url) "/" (verb) } {
             input type="hidden" name="csrf" value=(st.keys.csrf(verb, &o.name, &m.id.to_string()));
-            button type="submit" class=(if action == Action::DISCARD { "danger" } else { "primary" }) {
+            button type="submit" class=(if action == OperatorAction::Discard { "danger" } else { "primary" }) {
                 "Yes, " (verb) " it"
             }
             " " a href=(url) { "Cancel" }
@@ -119,7 +95,7 @@ pub(crate) async fn act_one(
 ) -> Page {
     let (name, id_text, action) = path(&st, p)?;
     let o = st.outbox(&name)?;
-    let action = Action::parse(&st, &action)?;
+    let action = parse_action(&st, &action)?;
     let id = parse_id(&st, &id_text)?;
     let f = form(&body);
     let csrf = param(&f, "csrf").unwrap_or("");
@@ -131,7 +107,7 @@ pub(crate) async fn act_one(
     }
     let by = operator(&ext);
     action
-        .apply(o.store.as_ref(), id, &by)
+        .apply(o.store.as_ref(), id, &by, Timestamp::now())
         .await
         .map_err(|e| st.store_error(&format!("{} message {id}", action.name()), &e))?;
     tracing::info!(outbox = %o.name, %id, by = %by, "outbox console: message {}", action.done());
@@ -197,7 +173,7 @@ pub(crate) async fn confirm_bulk(
 ) -> Page {
     let (name, action) = path(&st, p)?;
     let o = st.outbox(&name)?;
-    let action = Action::parse(&st, &action)?;
+    let action = parse_action(&st, &action)?;
     let ty = bulk_type(&st, &params(q.as_deref()))?;
     let (ids, more) = poisoned_of_type(&st, o, &ty).await?;
     let verb = action.name();
@@ -209,12 +185,12 @@ pub(crate) async fn confirm_bulk(
         } @else {
             h1 { "Confirm: " (verb) " all " (ids.len()) @if more { "+" } " poisoned " code { (ty) } " messages?" }
             @if more { p.error { "There are more than " (BULK_MAX) "; this action takes the oldest " (BULK_MAX) ". Run it again for the rest." } }
-            p { "Each of them: " (action.consequence()) }
+            p { "Each of them: " (consequence(action)) }
             p.note { "The action applies to the messages of this type that are poisoned when you confirm." }
             form.actions method="post" action={ (st.prefix) "/" (o.name) "/poisoned/" (verb) } {
                 input type="hidden" name="type" value=(ty);
                 input type="hidden" name="csrf" value=(st.keys.csrf(&format!("bulk-{verb}"), &o.name, &ty));
-                button type="submit" class=(if action == Action::DISCARD { "danger" } else { "primary" }) {
+                button type="submit" class=(if action == OperatorAction::Discard { "danger" } else { "primary" }) {
                     "Yes, " (verb) " them all"
                 }
                 " " a href=(list) { "Cancel" }
@@ -236,7 +212,7 @@ pub(crate) async fn act_bulk(
 ) -> Page {
     let (name, action) = path(&st, p)?;
     let o = st.outbox(&name)?;
-    let action = Action::parse(&st, &action)?;
+    let action = parse_action(&st, &action)?;
     let f = form(&body);
     let ty = bulk_type(&st, &f)?;
     let csrf = param(&f, "csrf").unwrap_or("");
@@ -250,7 +226,10 @@ pub(crate) async fn act_bulk(
     let by = operator(&ext);
     let (mut done, mut skipped) = (0u64, 0u64);
     for id in ids {
-        match action.apply(o.store.as_ref(), id, &by).await {
+        match action
+            .apply(o.store.as_ref(), id, &by, Timestamp::now())
+            .await
+        {
             Ok(()) => done += 1,
             // Changed since it was listed: another operator, or (discard)
             // retried and delivered meanwhile.

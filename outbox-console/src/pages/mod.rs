@@ -15,8 +15,8 @@ use axum::http::{Extensions, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::html;
 use outbox_api::{
-    ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorAction,
-    OperatorStore, Stats, Timestamp, limits,
+    ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorAction, Stats,
+    Timestamp, limits,
 };
 
 use crate::security::Keys;

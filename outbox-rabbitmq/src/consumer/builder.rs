@@ -13,7 +13,7 @@ use super::InboxHandler;
 #[cfg(doc)]
 use super::Received;
 use super::handle::{ConsumerHandle, Counters, Shared, purge_inbox_loop};
-use super::inbox::Inbox;
+use super::inbox::{self, Inbox};
 use super::order::Held;
 use super::session::{Worker, owner_marker};
 use crate::Partitions;
@@ -371,7 +371,7 @@ impl RabbitConsumerBuilder {
         inbox: I,
         handler: impl InboxHandler<I::Conn>,
     ) -> Result<ConsumerHandle> {
-        self.spawn_on(Inbox::bind(inbox, Arc::new(handler))).await
+        self.spawn_on(inbox::bind(inbox, Arc::new(handler))).await
     }
 
     async fn spawn_on(self, inbox: Inbox) -> Result<ConsumerHandle> {

@@ -11,51 +11,31 @@ use outbox_api::{HandlerError, InboxOutcome, InboxWork, Result, Timestamp};
 
 use super::{InboxHandler, Received};
 
-/// A store's inbox with the handler that runs in its transactions.
-#[derive(Clone)]
-pub(super) struct Inbox(Arc<dyn Receiver>);
+/// A store's inbox with the handler that runs in its transactions, one
+/// type for every store.
+pub(super) type Inbox = Arc<dyn Receiver>;
 
-impl Inbox {
-    /// Binds `handler` to `inbox`.
-    pub(super) fn bind<I: outbox_api::Inbox>(
-        inbox: I,
-        handler: Arc<dyn InboxHandler<I::Conn>>,
-    ) -> Self {
-        Inbox(Arc::new(Bound { inbox, handler }))
-    }
-
-    /// The inbox table, for logs.
-    pub(super) fn table(&self) -> String {
-        self.0.table()
-    }
-
-    /// The inbox transaction around the handler for `received`.
-    pub(super) async fn receive_once(
-        &self,
-        consumer: &str,
-        received: &Received,
-        handler_timeout: Duration,
-    ) -> InboxOutcome {
-        self.0
-            .receive_once(consumer, received, handler_timeout)
-            .await
-    }
-
-    /// Deletes at most `limit` entries received before `before`.
-    pub(super) async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64> {
-        self.0.purge(before, limit).await
-    }
+/// Binds `handler` to `inbox`.
+pub(super) fn bind<I: outbox_api::Inbox>(
+    inbox: I,
+    handler: Arc<dyn InboxHandler<I::Conn>>,
+) -> Inbox {
+    Arc::new(Bound { inbox, handler })
 }
 
+/// What the consume loop, settling and the purge ask of the bound inbox.
 #[async_trait]
-trait Receiver: Send + Sync {
+pub(super) trait Receiver: Send + Sync {
+    /// The inbox table, for logs.
     fn table(&self) -> String;
+    /// The inbox transaction around the handler for `received`.
     async fn receive_once(
         &self,
         consumer: &str,
         received: &Received,
         handler_timeout: Duration,
     ) -> InboxOutcome;
+    /// Deletes at most `limit` entries received before `before`.
     async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64>;
 }
 
