@@ -72,14 +72,23 @@ async fn survivor_takes_over_a_killed_relays_leases_after_they_expire() {
     let started = Instant::now();
     let victim_log = dir.path().join("victim.log");
     let mut victim = RelayChild::spawn(exe, &victim_args, &victim_log).unwrap();
+    // The survivor starts only once the victim holds leases: started
+    // together, a survivor that is up first (a cold machine can take
+    // seconds to start a process) may deliver everything before the victim
+    // claims anything, and there is nothing to take over.
+    check::wait_until("the victim to hold leases", Duration::from_secs(60), || {
+        assert!(
+            victim.is_running(),
+            "seed {seed}: the victim exited before it held a lease; its log ends:\n{}",
+            check::log_tail(&victim_log, 40)
+        );
+        !leased_by(&conn, "victim").is_empty()
+    })
+    .await;
     let survivor_log = dir.path().join("survivor.log");
     let mut survivor = RelayChild::spawn(exe, &survivor_args, &survivor_log).unwrap();
 
     // Kill the victim while it holds leases, a random moment into its batch.
-    check::wait_until("the victim to hold leases", Duration::from_secs(30), || {
-        !leased_by(&conn, "victim").is_empty()
-    })
-    .await;
     tokio::time::sleep(Duration::from_millis(rng.u64(0..=500))).await;
     victim.kill().unwrap();
     let killed_at = Timestamp::now().as_millis();
