@@ -11,12 +11,14 @@
 
 pub mod inbox;
 pub mod metrics;
+pub mod proxy;
 pub mod services;
 pub mod store;
 pub mod transport;
 
 pub use inbox::InboxUnderTest;
 pub use metrics::TestRecorder;
+pub use proxy::{TcpProxy, percent_encode};
 pub use services::{ServiceSpec, service_url};
 pub use store::StoreUnderTest;
 pub use transport::TransportUnderTest;
