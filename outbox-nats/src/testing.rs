@@ -1,0 +1,148 @@
+//! Test helpers (feature `testing`): the server URL from the environment,
+//! names no other test uses, and a `nats-server` of a test's own to stop
+//! and restart.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The NATS server the tests use: `OUTBOX_NATS_URL`, else the local default
+/// `nats://127.0.0.1:4222` if it answers. It needs JetStream (`-js`).
+pub const NATS: outbox_api::testing::ServiceSpec = outbox_api::testing::ServiceSpec {
+    name: "NATS",
+    variable: crate::URL_ENV,
+    local_url: "nats://127.0.0.1:4222",
+    local_addr: ([127, 0, 0, 1], 4222),
+    setup: "started with JetStream: nats-server -js",
+};
+
+/// The server for a test ([`NATS`]).
+///
+/// # Panics
+/// When there is none (tests that need a server fail, never skip), with a
+/// message saying how to provide one.
+pub fn nats_url() -> String {
+    outbox_api::testing::service_url(&NATS)
+}
+
+/// A name no other test uses, fit for a stream, a consumer or a subject
+/// token: `T_{prefix}_{uuid v7 without dashes}`.
+pub fn unique_name(prefix: &str) -> String {
+    format!(
+        "T_{prefix}_{}",
+        outbox_api::MessageId::new().to_string().replace('-', "")
+    )
+}
+
+/// The socket address of the server in `url`.
+///
+/// # Panics
+/// When the URL does not parse or its host does not resolve.
+pub fn server_addr(url: &str) -> SocketAddr {
+    use std::net::ToSocketAddrs;
+    let addr: async_nats::ServerAddr = url.parse().expect("the NATS URL parses");
+    (addr.host(), addr.port())
+        .to_socket_addrs()
+        .expect("resolving the NATS host")
+        .next()
+        .expect("the NATS host has an address")
+}
+
+/// A `nats-server -js` of a test's own, on a free port of `127.0.0.1`,
+/// storing into a directory of its own, for tests that stop and restart the
+/// server (never the shared one). Stopped when dropped.
+#[derive(Debug)]
+pub struct OwnNats {
+    port: u16,
+    store: PathBuf,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl OwnNats {
+    /// Starts one under `dir` (its JetStream store and log go there) and
+    /// waits until it accepts connections.
+    ///
+    /// # Panics
+    /// When `nats-server` is not installed (the message says how to install
+    /// it) or does not start within 20 s.
+    pub fn start(dir: &Path) -> OwnNats {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let mut own = OwnNats {
+            port,
+            store: dir.join("jetstream"),
+            log: dir.join("nats-server.log"),
+            child: None,
+        };
+        own.restart();
+        own
+    }
+
+    /// Its URL.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Its address.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// Stops it at once (SIGKILL): what it had not written to its store is
+    /// gone, as in a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts it again (after [`kill`](Self::kill)) on the same port and
+    /// store, and waits until it accepts connections.
+    ///
+    /// # Panics
+    /// As [`start`](Self::start).
+    pub fn restart(&mut self) {
+        self.kill();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("the server's log file");
+        let child = Command::new("nats-server")
+            .args(["-js", "-a", "127.0.0.1", "-p"])
+            .arg(self.port.to_string())
+            .arg("-sd")
+            .arg(&self.store)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run nats-server ({e}); install it (Debian: apt-get install nats-server) \
+                     to run the tests that stop and restart a server of their own"
+                )
+            });
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while TcpStream::connect_timeout(&self.addr(), Duration::from_millis(200)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server on port {} did not start within 20 s; its log:\n{}",
+                self.port,
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for OwnNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
