@@ -52,3 +52,9 @@ pub mod postgres {
 pub mod rabbitmq {
     pub use outbox_rabbitmq::*;
 }
+
+/// The NATS JetStream transport (feature `nats`).
+#[cfg(feature = "nats")]
+pub mod nats {
+    pub use outbox_nats::*;
+}

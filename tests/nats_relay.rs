@@ -1,0 +1,225 @@
+//! The relay's rules over NATS JetStream (the local server, or
+//! `OUTBOX_NATS_URL`): a memory outbox, the relay, the NATS transport
+//! through a TCP proxy that cuts the connection, and the test's own stream
+//! read back directly. Fails (never skips) when no server answers.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use outbox::{
+    MessageId, MessageKind, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store,
+};
+use outbox_memory::MemoryStore;
+use outbox_nats::async_nats::{self, jetstream};
+use outbox_nats::testing::{nats_url, server_addr, unique_name};
+use outbox_nats::{KEY_HEADER, MSG_ID_HEADER, NatsTransport};
+use outbox_api::testing::{TcpProxy, wait_until};
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// The test's own stream capturing `{name}.>`.
+struct Stream {
+    name: String,
+    js: jetstream::Context,
+}
+
+impl Stream {
+    async fn new() -> Stream {
+        let name = unique_name("relay");
+        let client = async_nats::connect(nats_url())
+            .await
+            .expect("connect to NATS");
+        let js = jetstream::new(client);
+        js.create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.>")],
+            storage: jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .expect("create the test's stream");
+        Stream { name, js }
+    }
+
+    /// `(message id, key)` of every stored message, in stream order.
+    async fn stored(&self) -> Vec<(MessageId, Option<String>)> {
+        let mut stream = self.js.get_stream(&self.name).await.unwrap();
+        let last = stream.info().await.unwrap().state.last_sequence;
+        let mut out = Vec::new();
+        for seq in 1..=last {
+            let m = stream.get_raw_message(seq).await.unwrap();
+            let header = |name: &str| {
+                let name: async_nats::HeaderName = name.parse().unwrap();
+                m.headers.get(name).map(|v| v.as_str().to_owned())
+            };
+            out.push((
+                header(MSG_ID_HEADER).unwrap().parse().unwrap(),
+                header(KEY_HEADER),
+            ));
+        }
+        out
+    }
+
+    async fn cleanup(&self) {
+        let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+fn enqueue(store: &MemoryStore, messages: Vec<NewMessage>) -> Vec<MessageId> {
+    let mut tx = store.begin();
+    let ids = messages
+        .into_iter()
+        .map(|m| tx.enqueue(m).unwrap())
+        .collect();
+    tx.commit().unwrap();
+    ids
+}
+
+/// Through a cut connection every message arrives exactly once, each
+/// key's messages in commit order, and the outage counts no attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_message_arrives_once_in_key_order_through_an_outage_with_no_attempt_counted() {
+    let stream = Stream::new().await;
+    let proxy = TcpProxy::start(server_addr(&nats_url())).await;
+    let transport = NatsTransport::connect(
+        NatsTransport::builder(format!("nats://{}", proxy.addr()))
+            .ack_timeout(Duration::from_secs(1))
+            .max_reconnect_delay(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    let store = MemoryStore::new();
+    let relay = Relay::builder(store.clone())
+        .transport(transport)
+        .batch_size(50)
+        .poll_interval(Duration::from_millis(20))
+        .probe_initial(Duration::from_millis(20))
+        .probe_max(Duration::from_millis(200))
+        .spawn()
+        .unwrap();
+
+    let message = |n: usize| {
+        NewMessage::new(
+            MessageKind::Integration,
+            "OrderPlaced",
+            format!("order {n}"),
+        )
+        .destination(stream.name.as_str(), "orders")
+        .key(format!("k{}", n % 7))
+    };
+    let mut ids = enqueue(&store, (0..300).map(message).collect());
+    wait_until("some deliveries", DEADLINE, || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().pending < 300 }
+    })
+    .await;
+    proxy.cut();
+    ids.extend(enqueue(&store, (300..600).map(message).collect()));
+    wait_until("the relay to see the outage", DEADLINE, || {
+        let relay = relay.relay().clone();
+        async move {
+            matches!(
+                relay.health().await.transport,
+                outbox::TransportHealth::Down(_)
+            )
+        }
+    })
+    .await;
+    proxy.heal();
+    wait_until("every message processed", DEADLINE, || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().pending == 0 }
+    })
+    .await;
+
+    for id in &ids {
+        let m = store.get(*id).await.unwrap().unwrap();
+        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0), "{m:?}");
+    }
+    let stored = stream.stored().await;
+    let mut seen: HashMap<MessageId, usize> = HashMap::new();
+    for (id, _) in &stored {
+        *seen.entry(*id).or_default() += 1;
+    }
+    assert_eq!(seen.len(), ids.len(), "every message stored");
+    assert!(
+        seen.values().all(|&n| n == 1),
+        "a message stored twice: Nats-Msg-Id should have dropped the copy"
+    );
+    // Per key, stream order is commit (enqueue) order.
+    let rank: HashMap<MessageId, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
+    let mut last: HashMap<String, usize> = HashMap::new();
+    for (id, key) in &stored {
+        let key = key.clone().expect("keyed");
+        let r = rank[id];
+        if let Some(prev) = last.insert(key.clone(), r) {
+            assert!(prev < r, "key {key}: message {r} stored after {prev}");
+        }
+    }
+    relay.shutdown().await;
+    stream.cleanup().await;
+}
+
+/// A subject no stream captures is that message's failure: counted,
+/// retried, poisoned at `max_attempts`; the others flow and the transport
+/// is never reported down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_without_a_stream_is_counted_and_poisoned_while_others_flow() {
+    let stream = Stream::new().await;
+    let transport = NatsTransport::connect(NatsTransport::builder(nats_url()))
+        .await
+        .unwrap();
+    let store = MemoryStore::new();
+    let relay = Relay::builder(store.clone())
+        .transport(transport)
+        .max_attempts(3)
+        .poll_interval(Duration::from_millis(20))
+        .retry_policy(RetryPolicy::Fixed(Duration::from_millis(30)))
+        .spawn()
+        .unwrap();
+    let bad = enqueue(
+        &store,
+        vec![
+            NewMessage::new(MessageKind::Integration, "OrderPlaced", "lost?")
+                .destination(format!("{}-nostream", stream.name), "x"),
+        ],
+    )[0];
+    let good = enqueue(
+        &store,
+        (0..20)
+            .map(|n| {
+                NewMessage::new(MessageKind::Integration, "OrderPlaced", format!("{n}"))
+                    .destination(stream.name.as_str(), "orders")
+            })
+            .collect(),
+    );
+    wait_until("the message without a stream is poisoned", DEADLINE, || {
+        let store = store.clone();
+        async move { store.get(bad).await.unwrap().map(|m| m.state) == Some(MessageState::Poisoned) }
+    })
+    .await;
+    let m = store.get(bad).await.unwrap().unwrap();
+    assert_eq!(m.attempts, 3, "{m:?}");
+    let error = m.last_error.unwrap_or_default();
+    assert!(
+        error.contains("no JetStream stream captures subject"),
+        "{error}"
+    );
+    wait_until("the good messages processed", DEADLINE, || {
+        let store = store.clone();
+        let good = good.clone();
+        async move {
+            for id in good {
+                if store.get(id).await.unwrap().map(|m| m.state) != Some(MessageState::Processed) {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    assert_eq!(stream.stored().await.len(), 20);
+    assert_eq!(relay.health().await.transport, outbox::TransportHealth::Up);
+    relay.shutdown().await;
+    stream.cleanup().await;
+}
