@@ -9,11 +9,11 @@ use std::time::Duration;
 use outbox::{
     MessageId, MessageKind, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store,
 };
+use outbox_api::testing::{TcpProxy, wait_until};
 use outbox_memory::MemoryStore;
 use outbox_nats::async_nats::{self, jetstream};
 use outbox_nats::testing::{nats_url, server_addr, unique_name};
 use outbox_nats::{KEY_HEADER, MSG_ID_HEADER, NatsTransport};
-use outbox_api::testing::{TcpProxy, wait_until};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -222,4 +222,91 @@ async fn a_subject_without_a_stream_is_counted_and_poisoned_while_others_flow() 
     assert_eq!(relay.health().await.transport, outbox::TransportHealth::Up);
     relay.shutdown().await;
     stream.cleanup().await;
+}
+
+/// A server of the test's own (file storage) killed with SIGKILL mid-run
+/// and restarted on the same store: every message is stored once, none
+/// is counted as an attempt, and the relay reports the transport down,
+/// then up again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_killed_and_restarted_mid_run_loses_nothing_and_counts_no_attempt() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = outbox_nats::testing::OwnNats::start(dir.path());
+    let transport = NatsTransport::connect(
+        NatsTransport::builder(server.url())
+            .ack_timeout(Duration::from_secs(1))
+            .max_reconnect_delay(Duration::from_millis(100)),
+    )
+    .await
+    .unwrap();
+    let name = unique_name("crash");
+    transport
+        .declare(&outbox_nats::StreamSpec::new(
+            name.as_str(),
+            [format!("{name}.>")],
+        ))
+        .await
+        .unwrap();
+    let store = MemoryStore::new();
+    let relay = Relay::builder(store.clone())
+        .transport(transport.clone())
+        .batch_size(50)
+        .poll_interval(Duration::from_millis(20))
+        .probe_initial(Duration::from_millis(20))
+        .probe_max(Duration::from_millis(200))
+        .spawn()
+        .unwrap();
+    let message = |n: usize| {
+        NewMessage::new(
+            MessageKind::Integration,
+            "OrderPlaced",
+            format!("order {n}"),
+        )
+        .destination(name.as_str(), "orders")
+        .key(format!("k{}", n % 5))
+    };
+    let mut ids = enqueue(&store, (0..300).map(message).collect());
+    wait_until("some deliveries", DEADLINE, || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().pending < 300 }
+    })
+    .await;
+    server.kill();
+    ids.extend(enqueue(&store, (300..600).map(message).collect()));
+    wait_until("the relay to see the outage", DEADLINE, || {
+        let relay = relay.relay().clone();
+        async move {
+            matches!(
+                relay.health().await.transport,
+                outbox::TransportHealth::Down(_)
+            )
+        }
+    })
+    .await;
+    server.restart();
+    wait_until("every message processed", DEADLINE, || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().pending == 0 }
+    })
+    .await;
+    for id in &ids {
+        let m = store.get(*id).await.unwrap().unwrap();
+        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0), "{m:?}");
+    }
+    let stream = Stream {
+        name: name.clone(),
+        js: transport.jetstream().clone(),
+    };
+    let stored = stream.stored().await;
+    let mut seen: HashMap<MessageId, usize> = HashMap::new();
+    for (id, _) in &stored {
+        *seen.entry(*id).or_default() += 1;
+    }
+    assert_eq!(
+        seen.len(),
+        ids.len(),
+        "every message stored after the crash"
+    );
+    assert!(seen.values().all(|&n| n == 1), "a message stored twice");
+    relay.shutdown().await;
 }
