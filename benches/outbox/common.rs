@@ -1,10 +1,13 @@
 //! What every figure shares: the figure record, the table, the JSON file.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use async_trait::async_trait;
 use hdrhistogram::Histogram;
-use outbox::{Handlers, Message, RelayBuilder};
+use outbox::{Handlers, Message, MessageId, NewMessage, Outcome, Relay, RelayBuilder, Transport};
 
 /// One measured figure, possibly beside a baseline from the same run.
 pub struct Figure {
@@ -242,4 +245,91 @@ where
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// Records when each message's confirm (acknowledgement) came back.
+#[derive(Debug)]
+struct Timed {
+    inner: Arc<dyn Transport>,
+    confirmed: Arc<Mutex<HashMap<MessageId, Instant>>>,
+}
+
+#[async_trait]
+impl Transport for Timed {
+    async fn send(&self, batch: &[Message]) -> Vec<Outcome> {
+        let outcomes = self.inner.send(batch).await;
+        let now = Instant::now();
+        let mut map = self.confirmed.lock().unwrap();
+        for (m, o) in batch.iter().zip(&outcomes) {
+            if *o == Outcome::Delivered {
+                map.insert(m.id, now);
+            }
+        }
+        outcomes
+    }
+    async fn probe(&self) -> outbox::Result<()> {
+        self.inner.probe().await
+    }
+}
+
+/// Commit (SQLite) → broker confirm or acknowledgement through
+/// `transport`, one message (`message(i)`) per transaction, `rate` msg/s.
+pub async fn commit_to_ack_latency(
+    transport: Arc<dyn Transport>,
+    message: fn(usize) -> NewMessage,
+    rate: u64,
+    duration: Duration,
+) -> hdrhistogram::Histogram<u64> {
+    let dir = tempfile::tempdir().unwrap();
+    let store = crate::sqlite::open(dir.path()).await;
+    let confirmed: Arc<Mutex<HashMap<MessageId, Instant>>> = Default::default();
+    let relay = Relay::builder(store.clone())
+        .transport(Timed {
+            inner: transport,
+            confirmed: confirmed.clone(),
+        })
+        .batch_size(100)
+        .spawn()
+        .unwrap();
+    relay.until_idle().await.unwrap();
+    let total = (rate as f64 * duration.as_secs_f64()) as usize;
+    let path = store.path().to_owned();
+    let outbox = store.outbox();
+    let commits = tokio::task::spawn_blocking(move || {
+        let mut conn = crate::sqlite::app_connection(&path);
+        let mut commits = Vec::with_capacity(total);
+        let gap = Duration::from_secs_f64(1.0 / rate as f64);
+        let mut next = Instant::now();
+        for i in 0..total {
+            let tx = conn
+                .transaction_with_behavior(outbox_sqlite::rusqlite::TransactionBehavior::Immediate)
+                .unwrap();
+            let id = outbox.enqueue_rusqlite(&tx, message(i)).unwrap();
+            let at = Instant::now();
+            tx.commit().unwrap();
+            commits.push((id, at));
+            next += gap;
+            if let Some(w) = next.checked_duration_since(Instant::now()) {
+                std::thread::sleep(w);
+            }
+        }
+        commits
+    })
+    .await
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while confirmed.lock().unwrap().len() < total && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    relay.shutdown().await;
+    let confirmed = confirmed.lock().unwrap();
+    let mut hist = histogram();
+    for (id, at) in commits {
+        if let Some(c) = confirmed.get(&id) {
+            hist.record(c.duration_since(at).as_micros() as u64)
+                .unwrap();
+        }
+    }
+    assert_eq!(hist.len() as usize, total, "every message confirmed");
+    hist
 }

@@ -15,6 +15,7 @@ mod common;
 mod consumer;
 mod latency_trace;
 mod memory;
+mod nats;
 mod postgres;
 mod rabbit;
 mod sqlite;
@@ -66,6 +67,9 @@ fn main() {
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);
+        }
+        if wanted("nats") {
+            figures.extend(nats::figures(quick).await);
         }
         if wanted("consumer") {
             figures.extend(consumer::figures(quick).await);

@@ -4,16 +4,14 @@
 //! await it all), bare lapin with a continuous window beside that, and
 //! commit → broker-confirm latency at 1k msg/s offered.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use futures_util::future::join_all;
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use outbox::memory::MemoryStore;
-use outbox::{Message, MessageId, MessageKind, NewMessage, Outcome, Relay, Transport};
+use outbox::{MessageId, MessageKind, NewMessage, Relay};
 use outbox_rabbitmq::RabbitTransport;
 use outbox_rabbitmq::lapin::options::{
     BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
@@ -21,10 +19,9 @@ use outbox_rabbitmq::lapin::options::{
 };
 use outbox_rabbitmq::lapin::types::FieldTable;
 use outbox_rabbitmq::lapin::{BasicProperties, Connection, ConnectionProperties};
-use outbox_sqlite::rusqlite::TransactionBehavior;
 
-use crate::common::{Figure, drain_rate, histogram, latency_rows, not_measured};
-use crate::sqlite::{app_connection, open};
+use crate::common::{Figure, commit_to_ack_latency, drain_rate, latency_rows, not_measured};
+use crate::sqlite::open;
 
 const PAYLOAD: usize = 200;
 
@@ -201,91 +198,6 @@ async fn relay_sqlite(b: &Broker, n: usize, window: usize) -> f64 {
     drain_rate(relay, n).await
 }
 
-/// Records when each message's confirm came back.
-#[derive(Debug)]
-struct Timed {
-    inner: RabbitTransport,
-    confirmed: Arc<Mutex<HashMap<MessageId, Instant>>>,
-}
-
-#[async_trait]
-impl Transport for Timed {
-    async fn send(&self, batch: &[Message]) -> Vec<Outcome> {
-        let outcomes = self.inner.send(batch).await;
-        let now = Instant::now();
-        let mut map = self.confirmed.lock().unwrap();
-        for (m, o) in batch.iter().zip(&outcomes) {
-            if *o == Outcome::Delivered {
-                map.insert(m.id, now);
-            }
-        }
-        outcomes
-    }
-    async fn probe(&self) -> outbox::Result<()> {
-        self.inner.probe().await
-    }
-}
-
-/// Commit (SQLite) → broker confirm, one message per transaction, `rate` msg/s.
-async fn confirm_latency(
-    b: &Broker,
-    rate: u64,
-    duration: Duration,
-) -> hdrhistogram::Histogram<u64> {
-    let dir = tempfile::tempdir().unwrap();
-    let store = open(dir.path()).await;
-    let confirmed: Arc<Mutex<HashMap<MessageId, Instant>>> = Default::default();
-    let relay = Relay::builder(store.clone())
-        .transport(Timed {
-            inner: b.transport().await,
-            confirmed: confirmed.clone(),
-        })
-        .batch_size(100)
-        .spawn()
-        .unwrap();
-    relay.until_idle().await.unwrap();
-    let total = (rate as f64 * duration.as_secs_f64()) as usize;
-    let path = store.path().to_owned();
-    let outbox = store.outbox();
-    let commits = tokio::task::spawn_blocking(move || {
-        let mut conn = app_connection(&path);
-        let mut commits = Vec::with_capacity(total);
-        let gap = Duration::from_secs_f64(1.0 / rate as f64);
-        let mut next = Instant::now();
-        for i in 0..total {
-            let tx = conn
-                .transaction_with_behavior(TransactionBehavior::Immediate)
-                .unwrap();
-            let id = outbox.enqueue_rusqlite(&tx, integration(i)).unwrap();
-            let at = Instant::now();
-            tx.commit().unwrap();
-            commits.push((id, at));
-            next += gap;
-            if let Some(w) = next.checked_duration_since(Instant::now()) {
-                std::thread::sleep(w);
-            }
-        }
-        commits
-    })
-    .await
-    .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while confirmed.lock().unwrap().len() < total && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    relay.shutdown().await;
-    let confirmed = confirmed.lock().unwrap();
-    let mut hist = histogram();
-    for (id, at) in commits {
-        if let Some(c) = confirmed.get(&id) {
-            hist.record(c.duration_since(at).as_micros() as u64)
-                .unwrap();
-        }
-    }
-    assert_eq!(hist.len() as usize, total, "every message confirmed");
-    hist
-}
-
 pub async fn figures(quick: bool) -> Vec<Figure> {
     let url = match outbox_api::testing::services::find(&outbox_rabbitmq::testing::RABBITMQ) {
         Ok(url) => url,
@@ -354,7 +266,13 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
             .beside(format!("bare lapin, confirms, continuous window {window}"), cont),
         );
     }
-    let hist = confirm_latency(&b, 1000, Duration::from_secs(if quick { 2 } else { 10 })).await;
+    let hist = commit_to_ack_latency(
+        Arc::new(b.transport().await),
+        integration,
+        1000,
+        Duration::from_secs(if quick { 2 } else { 10 }),
+    )
+    .await;
     out.extend(latency_rows(
         "commit → broker confirm, SQLite, 1k msg/s offered",
         &hist,

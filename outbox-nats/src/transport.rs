@@ -206,7 +206,11 @@ impl Inner {
                 .payload(m.payload.clone().into())
                 .headers(p.headers);
             match self.js.send_publish(p.subject.clone(), publish).await {
-                Ok(ack) => acks.push((i, p.subject, ack.into_future())),
+                // Awaited on a task of its own: the window's permit is
+                // released when the acknowledgement is read, so an ack must
+                // be read even while this send waits for a permit for its
+                // next message (or has been dropped by the relay).
+                Ok(ack) => acks.push((i, p.subject, tokio::spawn(ack.into_future()))),
                 Err(e) => {
                     // The client could not take it: this one and the rest
                     // were not published.
@@ -218,11 +222,14 @@ impl Inner {
                 }
             }
         }
-        let answers = futures_util::future::join_all(
-            acks.into_iter()
-                .map(|(i, subject, ack)| async move { (i, subject, ack.await) }),
-        )
-        .await;
+        let answers =
+            futures_util::future::join_all(acks.into_iter().map(|(i, subject, ack)| async move {
+                let answer = ack
+                    .await
+                    .unwrap_or_else(|_| Err(PublishError::new(PublishErrorKind::BrokenPipe)));
+                (i, subject, answer)
+            }))
+            .await;
         let mut streams: HashMap<String, Outcome> = HashMap::new();
         for (i, subject, answer) in answers {
             let outcome = match answer {

@@ -376,3 +376,30 @@ async fn connection_errors_are_clear_and_never_show_the_password() {
         .unwrap_err();
     assert_eq!(e.kind(), outbox_api::ErrorKind::Config, "{e}");
 }
+
+/// Sends larger than the window, several at once, all complete: a send
+/// waiting for a permit never holds back the acknowledgements that would
+/// free one (its own included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_sends_larger_than_the_window_all_complete() {
+    let fx = Fixture::new().await;
+    let t = Arc::new(connect(NatsTransport::builder(nats_url()).window(4)).await);
+    let batches: Vec<Vec<Message>> = (0..3)
+        .map(|b| (0..10).map(|n| fx.deliverable(b * 100 + n)).collect())
+        .collect();
+    let sends = batches.iter().map(|batch| {
+        let t = t.clone();
+        async move { t.send(batch).await }
+    });
+    let outcomes = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures_util::future::join_all(sends),
+    )
+    .await
+    .expect("every send completes");
+    for o in outcomes {
+        assert_eq!(o, vec![Outcome::Delivered; 10]);
+    }
+    assert_eq!(fx.ids().await.len(), 30);
+    fx.cleanup().await;
+}
