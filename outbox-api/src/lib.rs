@@ -18,6 +18,7 @@ mod inbox;
 mod message;
 mod names;
 mod purge;
+pub mod receive;
 mod retry;
 mod row;
 mod store;
