@@ -748,6 +748,7 @@ mod tests {
             matches!(second, Settle::Defer { store: false, delay, .. } if delay == Duration::from_secs(5)),
             "{second:?}"
         );
+        p.received.attempt = 1;
         rules.settle(&mut p, InboxOutcome::HandlerFailed("x".into()));
         assert_eq!(
             p.deferrals, 0,

@@ -4,12 +4,12 @@
 //!
 //! One concern per module: [`builder`] (settings, checks, spawn),
 //! [`inbox`] (the store's inbox bound to the handler, one type for every
-//! store),
-//! [`received`] (the decoded delivery), [`handler`] (the application's
-//! handler), [`session`] (connect, consume, reconnect), [`settle`] (run the
-//! inbox transaction, then acknowledge, retry or dead-letter), [`order`]
-//! (the deliveries held back per ordering key), [`handle`] (the running
-//! consumer's handle and stats, the inbox purge).
+//! store), [`received`] (decoding a delivery), [`session`] (connect,
+//! consume, reconnect), [`settle`] (run the inbox transaction, then
+//! acknowledge, retry or dead-letter), [`handle`] (the running consumer's
+//! handle). What every broker's consumer shares — the decoded message, the
+//! handler, the held lanes, the retry rules, the counters, the inbox purge
+//! — is [`outbox_api::receive`].
 //!
 //! # Per-key order on retry: retry in place, hold the key behind it
 //!
@@ -18,7 +18,7 @@
 //! delivery that is not settled after a try (handler failed, handler
 //! temporarily unavailable, database failing) is **kept** in this process,
 //! unacknowledged, and tried again in place when its delay is over (a timer
-//! per held delivery, [`order::Held`]). Until it is acknowledged or
+//! per held delivery, [`Held`](outbox_api::receive::Held)). Until it is acknowledged or
 //! dead-lettered, later deliveries of its key are parked behind it in
 //! memory, in arrival order; when it is settled they run in order, and the
 //! first of them that needs a retry becomes the new head. Deliveries of
@@ -42,14 +42,13 @@
 
 mod builder;
 mod handle;
-mod handler;
 mod inbox;
-mod order;
 mod received;
 mod session;
 mod settle;
 
 pub use builder::{RabbitConsumer, RabbitConsumerBuilder};
-pub use handle::{ConsumerHandle, ConsumerStats};
-pub use handler::{FnHandler, HandlerFuture, InboxHandler, handler_fn};
-pub use received::Received;
+pub use handle::ConsumerHandle;
+pub use outbox_api::receive::{
+    ConsumerStats, FnHandler, HandlerFuture, InboxHandler, Received, handler_fn,
+};

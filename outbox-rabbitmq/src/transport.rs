@@ -17,7 +17,7 @@ use tokio::time::timeout;
 use crate::config::RabbitConfig;
 use crate::topology::Topology;
 use link::State;
-pub(crate) use link::{backoff, connect_error};
+pub(crate) use link::connect_error;
 
 /// The AMQP header carrying the message's ordering key.
 pub const KEY_HEADER: &str = "x-outbox-key";

@@ -1,20 +1,19 @@
 //! [`RabbitConsumer`] and its settings, [`RabbitConsumerBuilder`]: checked,
 //! then spawned.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox_api::receive::{Attempts, Counters, Held, RetryRules, purge_inbox_loop};
 use outbox_api::{Error, Result};
 use tokio::sync::watch;
 
 use super::InboxHandler;
 #[cfg(doc)]
 use super::Received;
-use super::handle::{ConsumerHandle, Counters, Shared, purge_inbox_loop};
+use super::handle::{ConsumerHandle, Shared};
 use super::inbox::{self, Inbox};
-use super::order::Held;
 use super::session::{Worker, owner_marker};
 use crate::Partitions;
 use crate::config::{MAX_SHORT_STRING, RabbitConfig};
@@ -152,7 +151,7 @@ impl RabbitConsumerBuilder {
     /// Default [`inbox_purge_interval`](Self::inbox_purge_interval): 1 min.
     pub const DEFAULT_INBOX_PURGE_INTERVAL: Duration = Duration::from_secs(60);
     /// Inbox entries deleted per purge statement.
-    pub const INBOX_PURGE_BATCH: usize = 500;
+    pub const INBOX_PURGE_BATCH: usize = outbox_api::receive::INBOX_PURGE_BATCH;
 
     /// Default [`prefetch`](Self::prefetch): 32.
     pub const DEFAULT_PREFETCH: u16 = 32;
@@ -276,6 +275,15 @@ impl RabbitConsumerBuilder {
     pub fn connection_name(mut self, name: impl Into<String>) -> Self {
         self.config = self.config.connection_name(name);
         self
+    }
+
+    /// The retry rules these settings make.
+    pub(super) fn rules(&self) -> RetryRules {
+        RetryRules {
+            max_attempts: self.max_attempts,
+            retry_delay: self.retry_delay,
+            unavailable_backoff: self.unavailable_backoff,
+        }
     }
 
     /// Checks every setting; the error names the field (and never contains
@@ -406,7 +414,7 @@ impl RabbitConsumerBuilder {
                 queue,
                 uri: uri.clone(),
                 inbox: inbox.clone(),
-                attempts: HashMap::new(),
+                attempts: Attempts::default(),
                 shared,
                 held: Held::default(),
                 stop: rx.clone(),
@@ -434,8 +442,13 @@ impl RabbitConsumerBuilder {
             "consuming from RabbitMQ"
         );
         let purger = self.inbox_retention.map(|retention| {
+            let purging = inbox.clone();
             tokio::spawn(purge_inbox_loop(
-                inbox.clone(),
+                purging.table(),
+                move |before, limit| {
+                    let inbox = purging.clone();
+                    async move { inbox.purge(before, limit).await }
+                },
                 retention,
                 self.inbox_purge_interval,
                 rx.clone(),

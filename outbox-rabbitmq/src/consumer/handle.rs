@@ -1,70 +1,10 @@
-//! [`ConsumerHandle`]: a running consumer, its stats and its stop; and the
-//! inbox purge beside it.
+//! [`ConsumerHandle`]: a running consumer, its stats and its stop.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
+use outbox_api::receive::{ConsumerStats, Counters};
 use tokio::sync::watch;
-
-use super::RabbitConsumerBuilder;
-use super::inbox::Inbox;
-
-/// What a consumer did since it started.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ConsumerStats {
-    /// Deliveries handled and committed (then acknowledged).
-    pub handled: u64,
-    /// Deliveries found in the inbox already: acknowledged, handler not run.
-    pub duplicates: u64,
-    /// Handler failures (counted attempts) tried again in place after
-    /// `retry_delay`.
-    pub retried: u64,
-    /// Deliveries rejected to the dead-letter exchange after `max_attempts`
-    /// handler failures.
-    pub dead_lettered: u64,
-    /// Deliveries rejected to the dead-letter exchange because they have no
-    /// valid `message_id`.
-    pub invalid: u64,
-    /// Database failures (not counted as attempts): the delivery was tried
-    /// again after the outage backoff.
-    pub store_errors: u64,
-    /// Tries whose handler said
-    /// [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable): the
-    /// delivery was tried again after the outage backoff, not counted as
-    /// an attempt.
-    pub deferred: u64,
-    /// Deliveries held back behind an earlier delivery of their ordering
-    /// key that was waiting for its retry (per-key order).
-    pub held_back: u64,
-    /// Connections opened after the first one.
-    pub reconnects: u64,
-    /// Standby partitions this consumer took over because no other
-    /// consumer was on them (see [`RabbitConsumerBuilder::replica`](crate::RabbitConsumerBuilder::replica)).
-    pub takeovers: u64,
-    /// Standby partitions it handed back because another consumer waited.
-    pub handovers: u64,
-}
-
-#[derive(Debug, Default)]
-pub(super) struct Counters {
-    pub(super) handled: AtomicU64,
-    pub(super) duplicates: AtomicU64,
-    pub(super) retried: AtomicU64,
-    pub(super) dead_lettered: AtomicU64,
-    pub(super) invalid: AtomicU64,
-    pub(super) store_errors: AtomicU64,
-    pub(super) deferred: AtomicU64,
-    pub(super) held_back: AtomicU64,
-    pub(super) reconnects: AtomicU64,
-    pub(super) takeovers: AtomicU64,
-    pub(super) handovers: AtomicU64,
-}
-
-pub(super) fn bump(counter: &AtomicU64) {
-    counter.fetch_add(1, Ordering::Relaxed);
-}
 
 /// One consumed queue's state (a partitioned consumer has one per
 /// partition), and the counters of the whole consumer.
@@ -94,38 +34,6 @@ pub struct ConsumerHandle {
     /// One per consumed queue (one per partition when partitioned).
     pub(super) queues: Vec<Arc<Shared>>,
     pub(super) counters: Arc<Counters>,
-}
-
-/// Deletes inbox entries older than `retention` every `interval`, in
-/// batches that rest between them, until shutdown.
-pub(super) async fn purge_inbox_loop(
-    inbox: Inbox,
-    retention: Duration,
-    interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    while !*shutdown.borrow() {
-        let before = outbox_api::Timestamp::now().saturating_sub(retention);
-        let stop = shutdown.clone();
-        let purged = outbox_api::backend::purge_in_batches(
-            RabbitConsumerBuilder::INBOX_PURGE_BATCH,
-            || *stop.borrow(),
-            |limit| inbox.purge(before, limit),
-        )
-        .await;
-        match purged {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::info!(purged = n, table = %inbox.table(), "purged inbox entries past retention")
-            }
-            Err(e) => tracing::warn!(error = %e, "inbox purge failed; will retry"),
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(interval) => {}
-            // The handle is gone (dropped without shutdown): stop too.
-            changed = shutdown.changed() => if changed.is_err() { return },
-        }
-    }
 }
 
 impl ConsumerHandle {
@@ -193,21 +101,7 @@ impl ConsumerHandle {
 
     /// Counts since start.
     pub fn stats(&self) -> ConsumerStats {
-        let c = &self.counters;
-        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        ConsumerStats {
-            handled: get(&c.handled),
-            duplicates: get(&c.duplicates),
-            retried: get(&c.retried),
-            dead_lettered: get(&c.dead_lettered),
-            invalid: get(&c.invalid),
-            store_errors: get(&c.store_errors),
-            deferred: get(&c.deferred),
-            held_back: get(&c.held_back),
-            reconnects: get(&c.reconnects),
-            takeovers: get(&c.takeovers),
-            handovers: get(&c.handovers),
-        }
+        self.counters.stats()
     }
 }
 

@@ -1,104 +1,49 @@
-//! [`Received`]: a delivery decoded into a message.
+//! Decoding an AMQP delivery into a [`Received`].
 
 use std::collections::BTreeMap;
 
 use lapin::message::Delivery;
 use lapin::types::AMQPValue;
-use outbox_api::{Error, MessageId, Result, Timestamp};
+use outbox_api::receive::Received;
+use outbox_api::{MessageId, Timestamp};
 
 use crate::transport::{KEY_HEADER, TRACEPARENT_HEADER};
 
-/// A message received from RabbitMQ, decoded from the AMQP delivery.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Received {
-    /// The AMQP `message_id`, parsed: the sender's outbox id and the inbox key.
-    pub id: MessageId,
-    /// The AMQP `type` (the outbox `message_type`), if set.
-    pub message_type: Option<String>,
-    /// The ordering key (header `x-outbox-key`), if any.
-    pub key: Option<String>,
-    /// The W3C `traceparent` header of the span that enqueued the message, if any.
-    pub trace_parent: Option<String>,
-    /// Every header whose value is a string or a scalar (numbers and booleans
-    /// as text), including `traceparent` and `x-outbox-key`.
-    pub headers: BTreeMap<String, String>,
-    /// The AMQP `content_type`, if set.
-    pub content_type: Option<String>,
-    /// The body, unchanged.
-    pub payload: Vec<u8>,
-    /// The AMQP `timestamp` (seconds precision), if set.
-    pub timestamp: Option<Timestamp>,
-    /// The exchange it was published to (`""`: the default exchange).
-    pub exchange: String,
-    /// The routing key it was published with.
-    pub routing_key: String,
-    /// Whether the broker delivered it before (to this or another consumer).
-    /// A retry in place is not a redelivery: it keeps the broker's flag.
-    pub redelivered: bool,
-    /// Which try of this consumer process this is (1 the first time; counts
-    /// handler failures, not outages, see
-    /// [`RabbitConsumerBuilder::max_attempts`](crate::RabbitConsumerBuilder::max_attempts)).
-    pub attempt: u32,
-}
-
-impl Received {
-    /// Decodes the JSON payload.
-    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
-        serde_json::from_slice(&self.payload).map_err(|e| {
-            Error::invalid_input(format!(
-                "payload of received message {} (type `{}`) does not decode as {}: {e}",
-                self.id,
-                self.message_type.as_deref().unwrap_or(""),
-                std::any::type_name::<T>()
-            ))
-        })
-    }
-
-    /// A header's value.
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).map(String::as_str)
-    }
-
-    /// Decodes an AMQP delivery; `Err` says why it cannot be handled.
-    pub(super) fn decode(d: &Delivery) -> std::result::Result<Received, String> {
-        let p = &d.properties;
-        let raw_id = p
-            .message_id()
-            .as_ref()
-            .ok_or_else(|| "the delivery has no message_id".to_owned())?;
-        let id: MessageId = raw_id.as_str().parse().map_err(|_| {
-            format!(
-                "message_id `{}` is not a message id (UUID)",
-                raw_id.as_str().chars().take(80).collect::<String>()
-            )
-        })?;
-        let mut headers = BTreeMap::new();
-        if let Some(table) = p.headers() {
-            for (name, value) in table.inner() {
-                if let Some(text) = header_text(value) {
-                    headers.insert(name.as_str().to_owned(), text);
-                }
+/// Decodes an AMQP delivery; `Err` says why it cannot be handled.
+pub(super) fn decode(d: &Delivery) -> std::result::Result<Received, String> {
+    let p = &d.properties;
+    let raw_id = p
+        .message_id()
+        .as_ref()
+        .ok_or_else(|| "the delivery has no message_id".to_owned())?;
+    let id: MessageId = raw_id.as_str().parse().map_err(|_| {
+        format!(
+            "message_id `{}` is not a message id (UUID)",
+            raw_id.as_str().chars().take(80).collect::<String>()
+        )
+    })?;
+    let mut headers = BTreeMap::new();
+    if let Some(table) = p.headers() {
+        for (name, value) in table.inner() {
+            if let Some(text) = header_text(value) {
+                headers.insert(name.as_str().to_owned(), text);
             }
         }
-        Ok(Received {
-            id,
-            message_type: p.kind().as_ref().map(|s| s.as_str().to_owned()),
-            key: headers.get(KEY_HEADER).cloned(),
-            trace_parent: headers.get(TRACEPARENT_HEADER).cloned(),
-            headers,
-            content_type: p.content_type().as_ref().map(|s| s.as_str().to_owned()),
-            payload: d.data.clone(),
-            timestamp: p
-                .timestamp()
-                .and_then(|t| i64::try_from(t).ok())
-                .map(|secs| Timestamp::from_millis(secs.saturating_mul(1000))),
-            exchange: d.exchange.as_str().to_owned(),
-            routing_key: d.routing_key.as_str().to_owned(),
-            redelivered: d.redelivered,
-            attempt: 1,
-        })
     }
+    let mut r = Received::new(id, d.data.clone());
+    r.message_type = p.kind().as_ref().map(|s| s.as_str().to_owned());
+    r.key = headers.get(KEY_HEADER).cloned();
+    r.trace_parent = headers.get(TRACEPARENT_HEADER).cloned();
+    r.headers = headers;
+    r.content_type = p.content_type().as_ref().map(|s| s.as_str().to_owned());
+    r.timestamp = p
+        .timestamp()
+        .and_then(|t| i64::try_from(t).ok())
+        .map(|secs| Timestamp::from_millis(secs.saturating_mul(1000)));
+    r.exchange = d.exchange.as_str().to_owned();
+    r.routing_key = d.routing_key.as_str().to_owned();
+    r.redelivered = d.redelivered;
+    Ok(r)
 }
 
 fn header_text(value: &AMQPValue) -> Option<String> {
@@ -147,7 +92,7 @@ mod tests {
             .with_type(ShortString::from("OrderPlaced"))
             .with_timestamp(5)
             .with_headers(headers);
-        let r = Received::decode(&d).unwrap();
+        let r = decode(&d).unwrap();
         assert_eq!(r.id, id);
         assert_eq!(r.message_type.as_deref(), Some("OrderPlaced"));
         assert_eq!(r.key.as_deref(), Some("order-1"));
@@ -158,16 +103,8 @@ mod tests {
         assert_eq!((r.exchange.as_str(), r.routing_key.as_str()), ("x", "rk"));
 
         let mut bad = Delivery::mock(2, "".into(), "q".into(), false, vec![]);
-        assert!(
-            Received::decode(&bad)
-                .unwrap_err()
-                .contains("no message_id")
-        );
+        assert!(decode(&bad).unwrap_err().contains("no message_id"));
         bad.properties = lapin::BasicProperties::default().with_message_id("nope".into());
-        assert!(
-            Received::decode(&bad)
-                .unwrap_err()
-                .contains("not a message id")
-        );
+        assert!(decode(&bad).unwrap_err().contains("not a message id"));
     }
 }

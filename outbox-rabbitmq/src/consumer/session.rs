@@ -2,7 +2,6 @@
 //! backoff, close on shutdown; for a standby partition, subscribe only
 //! while no other consumer is on the queue and hand it back when one waits.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -15,13 +14,14 @@ use lapin::uri::AMQPUri;
 use lapin::{Channel, Connection, ConnectionProperties};
 use outbox_api::{Error, MessageId, Result};
 use tokio::sync::watch;
-use tokio::time::{Instant, timeout};
+use tokio::time::timeout;
+
+use outbox_api::receive::{Attempts, Held, backoff, bump};
 
 use super::RabbitConsumerBuilder;
-use super::handle::{Shared, bump};
+use super::handle::Shared;
 use super::inbox::Inbox;
-use super::order::Held;
-use crate::transport::{backoff, connect_error};
+use crate::transport::connect_error;
 
 /// An open connection consuming the queue.
 pub(super) struct Session {
@@ -31,9 +31,6 @@ pub(super) struct Session {
     /// The owner marker's subscription, kept for the session's life.
     pub(super) _marker: Option<lapin::Consumer>,
 }
-
-/// Entries of the in-process attempt counter kept at most (oldest dropped).
-pub(super) const MAX_TRACKED_ATTEMPTS: usize = 10_000;
 
 pub(super) struct Worker {
     pub(super) settings: RabbitConsumerBuilder,
@@ -45,11 +42,11 @@ pub(super) struct Worker {
     pub(super) uri: AMQPUri,
     /// The inbox (and the application's handler on its connection).
     pub(super) inbox: Inbox,
-    /// Handler failures so far, by message id, with when the last one happened.
-    pub(super) attempts: HashMap<MessageId, (u32, Instant)>,
+    /// Handler failures so far, by message id.
+    pub(super) attempts: Attempts,
     pub(super) shared: Arc<Shared>,
     /// Deliveries held for a retry in place, and the later ones of their keys.
-    pub(super) held: Held,
+    pub(super) held: Held<lapin::message::Delivery>,
     /// Set when the consumer is to stop.
     pub(super) stop: watch::Receiver<bool>,
 }

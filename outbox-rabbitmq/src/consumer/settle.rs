@@ -7,15 +7,12 @@ use std::time::Duration;
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicRejectOptions};
 use outbox_api::InboxOutcome;
-use outbox_api::MessageId;
+use outbox_api::receive::{Lane, Pending, Received, Settle, bump};
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use super::Received;
-use super::handle::bump;
-use super::order::{Lane, Pending};
-use super::session::{MAX_TRACKED_ATTEMPTS, Worker};
-use crate::transport::backoff;
+use super::received::decode;
+use super::session::Worker;
 
 /// What became of one try of a delivery.
 enum Step {
@@ -23,7 +20,7 @@ enum Step {
     /// gone).
     Settled(bool),
     /// Not settled: try it again in place after the delay.
-    RetryAfter(Box<Pending>, Duration),
+    RetryAfter(Box<Pending<Delivery>>, Duration),
 }
 
 impl Worker {
@@ -32,7 +29,7 @@ impl Worker {
     /// `false` when settling failed (the channel is gone).
     pub(super) async fn on_delivery(&mut self, delivery: Delivery) -> bool {
         self.shared.meter.received.increment(1);
-        let received = match Received::decode(&delivery) {
+        let received = match decode(&delivery) {
             Ok(r) => r,
             Err(why) => {
                 bump(&self.shared.counters.invalid);
@@ -52,12 +49,9 @@ impl Worker {
                 );
             }
         };
-        let pending = Pending {
-            delivery,
-            received,
-            deferrals: 0,
-        };
-        let lane = Lane::of(&pending);
+        let tag = delivery.delivery_tag;
+        let pending = Pending::new(delivery, received);
+        let lane = Lane::of(&pending.received, tag);
         if self.held.holds(&lane) {
             bump(&self.shared.counters.held_back);
             tracing::debug!(
@@ -83,7 +77,7 @@ impl Worker {
     /// Runs `first`, then the deliveries held behind it in arrival order,
     /// until the lane is empty or one must wait for a retry (it becomes the
     /// lane's held head, the rest stay behind it).
-    async fn run_lane(&mut self, lane: Lane, first: Pending) -> bool {
+    async fn run_lane(&mut self, lane: Lane, first: Pending<Delivery>) -> bool {
         let mut next = Some(first);
         while let Some(pending) = next {
             match self.try_once(pending).await {
@@ -108,10 +102,10 @@ impl Worker {
     }
 
     /// One try of a delivery: the inbox transaction, then settling.
-    async fn try_once(&mut self, mut pending: Pending) -> Step {
+    async fn try_once(&mut self, mut pending: Pending<Delivery>) -> Step {
         let received = &mut pending.received;
         let id = received.id;
-        received.attempt = self.attempts.get(&id).map_or(0, |a| a.0) + 1;
+        received.attempt = self.attempts.next_try(id);
         let span = tracing::info_span!(
             "outbox.receive",
             message.id = %id,
@@ -141,41 +135,38 @@ impl Worker {
     }
 
     /// Acknowledges, dead-letters, or keeps the delivery for a retry in
-    /// place, after one try.
+    /// place, after one try, as [`RetryRules::settle`](outbox_api::receive::RetryRules::settle)
+    /// decides.
     async fn settle(
         &mut self,
-        mut pending: Pending,
+        mut pending: Pending<Delivery>,
         outcome: InboxOutcome,
         span: &tracing::Span,
     ) -> Step {
         let id = pending.received.id;
         let attempt = pending.received.attempt;
-        let counters = &self.shared.counters;
-        match outcome {
-            InboxOutcome::Committed => {
-                span.record("outcome", "handled");
-                bump(&counters.handled);
-                self.shared.meter.handled.increment(1);
-                self.attempts.remove(&id);
+        let settle = self.settings.rules().settle(&mut pending, outcome);
+        self.shared.counters.count(&settle);
+        let meter = &self.shared.meter;
+        match settle {
+            Settle::Ack | Settle::AckDuplicate => {
+                if settle == Settle::Ack {
+                    span.record("outcome", "handled");
+                    meter.handled.increment(1);
+                } else {
+                    span.record("outcome", "duplicate");
+                    meter.duplicates.increment(1);
+                    tracing::debug!("already handled (inbox); acknowledging");
+                }
+                self.attempts.settled(id);
                 Step::Settled(settled(
                     pending.delivery.acker.ack(BasicAckOptions::default()).await,
                 ))
             }
-            InboxOutcome::Duplicate => {
-                span.record("outcome", "duplicate");
-                bump(&counters.duplicates);
-                self.shared.meter.duplicates.increment(1);
-                self.attempts.remove(&id);
-                tracing::debug!("already handled (inbox); acknowledging");
-                Step::Settled(settled(
-                    pending.delivery.acker.ack(BasicAckOptions::default()).await,
-                ))
-            }
-            InboxOutcome::HandlerFailed(error) if attempt >= self.settings.max_attempts => {
+            Settle::DeadLetter { error } => {
                 span.record("outcome", "dead-lettered");
-                bump(&counters.dead_lettered);
-                self.shared.meter.dead_lettered.increment(1);
-                self.attempts.remove(&id);
+                meter.dead_lettered.increment(1);
+                self.attempts.settled(id);
                 tracing::error!(
                     %error,
                     attempts = attempt,
@@ -188,12 +179,9 @@ impl Worker {
                     .await;
                 Step::Settled(settled(rejected))
             }
-            InboxOutcome::HandlerFailed(error) => {
+            Settle::Retry { error, delay } => {
                 span.record("outcome", "failed");
-                bump(&counters.retried);
-                self.remember_attempt(id, attempt);
-                pending.deferrals = 0;
-                let delay = self.settings.retry_delay;
+                self.attempts.failed(id, attempt);
                 tracing::warn!(
                     %error,
                     attempts = attempt,
@@ -203,59 +191,31 @@ impl Worker {
                 );
                 Step::RetryAfter(Box::new(pending), delay)
             }
-            InboxOutcome::HandlerUnavailable {
+            Settle::Defer {
                 reason,
-                retry_after,
+                delay,
+                store,
             } => {
-                span.record("outcome", "unavailable");
-                bump(&counters.deferred);
-                let delay = self
-                    .outage_delay(&mut pending)
-                    .max(retry_after.unwrap_or_default());
-                tracing::warn!(
-                    %reason,
-                    deferrals = pending.deferrals,
-                    retry_in_ms = delay.as_millis() as u64,
-                    "handler temporarily unavailable (not counted as an attempt); will retry"
-                );
-                Step::RetryAfter(Box::new(pending), delay)
-            }
-            InboxOutcome::StoreFailed(error) => {
-                span.record("outcome", "store-failed");
-                bump(&counters.store_errors);
-                let delay = self.outage_delay(&mut pending);
-                tracing::warn!(
-                    %error,
-                    deferrals = pending.deferrals,
-                    retry_in_ms = delay.as_millis() as u64,
-                    "the inbox database failed (not counted as an attempt); will retry"
-                );
+                if store {
+                    span.record("outcome", "store-failed");
+                    tracing::warn!(
+                        error = %reason,
+                        deferrals = pending.deferrals,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "the inbox database failed (not counted as an attempt); will retry"
+                    );
+                } else {
+                    span.record("outcome", "unavailable");
+                    tracing::warn!(
+                        %reason,
+                        deferrals = pending.deferrals,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "handler temporarily unavailable (not counted as an attempt); will retry"
+                    );
+                }
                 Step::RetryAfter(Box::new(pending), delay)
             }
         }
-    }
-
-    /// The next uncounted retry's delay: the outage backoff, growing with
-    /// the delivery's consecutive deferrals.
-    fn outage_delay(&self, pending: &mut Pending) -> Duration {
-        pending.deferrals = pending.deferrals.saturating_add(1);
-        let (first, max) = self.settings.unavailable_backoff;
-        backoff(first, max, pending.deferrals)
-    }
-
-    fn remember_attempt(&mut self, id: MessageId, attempt: u32) {
-        if self.attempts.len() >= MAX_TRACKED_ATTEMPTS {
-            let mut by_age: Vec<(Instant, MessageId)> = self
-                .attempts
-                .iter()
-                .map(|(id, (_, at))| (*at, *id))
-                .collect();
-            by_age.sort();
-            for (_, old) in by_age.into_iter().take(MAX_TRACKED_ATTEMPTS / 10) {
-                self.attempts.remove(&old);
-            }
-        }
-        self.attempts.insert(id, (attempt, Instant::now()));
     }
 
     /// The inbox transaction around the handler.

@@ -1,9 +1,9 @@
 //! The connection and its confirm channel: (re)connecting with backoff,
 //! reopening a channel the broker closed, checking exchanges.
 
+use outbox_api::receive::backoff;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
 
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::protocol::{AMQPErrorKind, AMQPHardError, AMQPSoftError};
@@ -315,27 +315,4 @@ pub(crate) fn connect_error(config: &RabbitConfig, uri: &AMQPUri, e: &lapin::Err
         "cannot connect to RabbitMQ at {}: {text}",
         config.redacted_url()
     ))
-}
-
-/// `min * 2^(failures-1)`, at most `max`, ±20 % jitter.
-pub(crate) fn backoff(min: Duration, max: Duration, failures: u32) -> Duration {
-    let exp = failures.saturating_sub(1).min(20);
-    let base = min.saturating_mul(1 << exp).min(max);
-    base.mul_f64(0.8 + 0.4 * fastrand::f64())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn backoff_grows_and_caps() {
-        let min = Duration::from_millis(100);
-        let max = Duration::from_secs(30);
-        let first = backoff(min, max, 1);
-        assert!(first >= Duration::from_millis(80) && first <= Duration::from_millis(120));
-        let later = backoff(min, max, 4);
-        assert!(later >= Duration::from_millis(640) && later <= Duration::from_millis(960));
-        assert!(backoff(min, max, 1000) <= Duration::from_secs(36));
-    }
 }
