@@ -292,6 +292,7 @@ impl NatsConsumerBuilder {
             })?;
         let counters = Arc::new(Counters::default());
         let running = Arc::new(AtomicBool::new(true));
+        let connected = Arc::new(AtomicBool::new(true));
         let (stop, stopped) = watch::channel(false);
         let inbox: Arc<dyn Receiver> = Arc::new(Bound {
             inbox,
@@ -323,6 +324,7 @@ impl NatsConsumerBuilder {
             held: Held::default(),
             attempts: Attempts::default(),
             counters: counters.clone(),
+            connected: connected.clone(),
             stop: stopped,
         };
         let flag = running.clone();
@@ -336,6 +338,7 @@ impl NatsConsumerBuilder {
             purger: tokio::sync::Mutex::new(purger),
             counters,
             running,
+            connected,
         })
     }
 }
@@ -349,9 +352,15 @@ pub struct NatsConsumerHandle {
     purger: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     counters: Arc<Counters>,
     running: Arc<AtomicBool>,
+    connected: Arc<AtomicBool>,
 }
 
 impl NatsConsumerHandle {
+    /// Whether it is connected and pulling right now.
+    pub fn is_connected(&self) -> bool {
+        self.is_running() && self.connected.load(Ordering::SeqCst)
+    }
+
     /// Stops consuming: the message in flight finishes (committed and
     /// acknowledged, or rolled back); messages fetched but not started, or
     /// held for a retry, are left unacknowledged for the server to deliver
@@ -451,6 +460,8 @@ struct Worker {
     held: Held<Acker>,
     attempts: Attempts,
     counters: Arc<Counters>,
+    /// Pulling over a live connection right now.
+    connected: Arc<AtomicBool>,
     stop: watch::Receiver<bool>,
 }
 
@@ -471,6 +482,7 @@ impl Worker {
                 .await
             {
                 Ok(m) => {
+                    self.connected.store(true, Ordering::SeqCst);
                     if opened_before {
                         bump(&self.counters.reconnects);
                     }
@@ -479,6 +491,7 @@ impl Worker {
                     m
                 }
                 Err(e) => {
+                    self.connected.store(false, Ordering::SeqCst);
                     failures = failures.saturating_add(1);
                     let delay =
                         backoff(Duration::from_millis(50), Duration::from_secs(5), failures);
@@ -506,6 +519,7 @@ impl Worker {
                     // the lost connection are not answered any more.
                     _ = connection_check.tick() => {
                         let connected = client.connection_state() == async_nats::connection::State::Connected;
+                        self.connected.store(connected, Ordering::SeqCst);
                         if !connected {
                             lost = true;
                         } else if lost {
@@ -539,6 +553,7 @@ impl Worker {
         }
         // Whatever is held goes back to the server, unacknowledged.
         self.held.clear();
+        self.connected.store(false, Ordering::SeqCst);
         tracing::info!(consumer = %self.settings.durable, "NATS consumer stopped");
     }
 

@@ -238,7 +238,13 @@ where
         "copies never reach the handler"
     );
 
+    assert!(consumer.is_connected());
     proxy.cut();
+    wait_until("the consumer notices the cut", DEADLINE, || {
+        let up = consumer.is_connected();
+        async move { !up }
+    })
+    .await;
     for id in &ids[20..] {
         fx.publish(*id, None, "ok").await;
     }
