@@ -13,6 +13,9 @@ pub use relay::{DrainReport, Relay, RelayBuilder, RelayHandle};
 // decision, not whatever `outbox-api` happens to export.
 /// Helpers for authors of stores and transports.
 pub use outbox_api::backend;
+/// What every broker's consumer shares: the received message, the inbox
+/// handler, the retry rules.
+pub use outbox_api::receive;
 /// The conformance suite every store and transport runs (feature `testing`
 /// of `outbox-api`).
 #[cfg(feature = "testing")]

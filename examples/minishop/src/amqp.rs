@@ -8,12 +8,13 @@ use outbox::rabbitmq::lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions
 use outbox::rabbitmq::lapin::types::ShortString;
 use outbox::rabbitmq::lapin::{Connection, ConnectionProperties};
 use outbox::rabbitmq::{
-    ConsumerHandle, ExchangeType, Partitions, RabbitConfig, RabbitConsumer, RabbitConsumerBuilder,
-    RabbitTransport, Topology,
+    ExchangeType, Partitions, RabbitConfig, RabbitConsumer, RabbitConsumerBuilder, RabbitTransport,
+    Topology,
 };
 
+use crate::consumer::Consumer;
 use crate::fail::{Context, Fail};
-use crate::inbox::{AmqpInbox, InboxModule};
+use crate::inbox::{InboxModule, ModuleReceiver};
 use crate::messages::{OrderPlaced, StockRejected, StockReserved};
 use outbox::OutboxMessage;
 
@@ -148,72 +149,8 @@ pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<Rabbit
 /// Counted handler failures after which a delivery is dead-lettered, on
 /// PostgreSQL (SQLite keeps the library's default, 3).
 pub const PG_MAX_ATTEMPTS: u32 = 5;
-/// Deliveries the broker sends ahead to each consumer.
-const PREFETCH: u16 = 200;
-
-/// A module's consumer: the library's `RabbitConsumer`, into the module's
-/// SQLite or PostgreSQL inbox.
-#[derive(Debug)]
-pub struct Consumer(ConsumerHandle);
-
-impl Consumer {
-    /// The queue it consumes.
-    pub fn queue(&self) -> &str {
-        self.0.queue()
-    }
-
-    /// The queues it consumes now (a partitioned consumer: the partitions
-    /// it owns, and those it took over).
-    pub fn consuming(&self) -> Vec<String> {
-        self.0.consuming()
-    }
-
-    /// What it has done so far.
-    pub fn stats(&self) -> outbox::rabbitmq::ConsumerStats {
-        self.0.stats()
-    }
-
-    /// Whether it still runs.
-    pub fn is_running(&self) -> bool {
-        self.0.is_running()
-    }
-
-    /// Whether it is connected to the broker now.
-    pub fn is_connected(&self) -> bool {
-        self.0.is_connected()
-    }
-
-    /// What it has done, for humans.
-    pub fn describe(&self) -> String {
-        let state = if self.is_connected() {
-            "connected"
-        } else {
-            "NOT connected"
-        };
-        let s = self.0.stats();
-        let consuming = self.consuming();
-        // A partitioned consumer: which partitions it has now.
-        let queues = if consuming.is_empty() || consuming == [self.queue()] {
-            String::new()
-        } else {
-            format!(" (consuming now: {})", consuming.join(", "))
-        };
-        format!(
-            "consumer of `{}`{queues}: {state}, handled {}, duplicates {}, retried {}, dead-lettered {}, store errors {}",
-            self.queue(),
-            s.handled,
-            s.duplicates,
-            s.retried,
-            s.dead_lettered,
-            s.store_errors
-        )
-    }
-
-    /// Stops it.
-    pub async fn shutdown(&self) {
-        self.0.shutdown().await
-    }
-}
+/// Deliveries the broker sends ahead to each consumer (RabbitMQ and NATS).
+pub const PREFETCH: u16 = 200;
 
 /// Consumes `queue` into `module`'s inbox (ack after the inbox commit).
 pub async fn consumer(
@@ -258,45 +195,20 @@ async fn spawn_consumer(
     what: String,
     module: Arc<dyn InboxModule>,
 ) -> Result<Consumer, Fail> {
-    let db = module.db().clone();
-    let builder = builder.consumer_name(db.name).prefetch(PREFETCH);
-    let spawned = match (db.sqlite(), db.postgres()) {
-        (Some((outbox, pool)), _) => {
-            let handler = AmqpInbox {
-                module,
-                outbox: outbox.clone(),
-            };
-            builder
-                .spawn(
-                    outbox::sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
-                    handler,
-                )
-                .await
-        }
-        (None, Some((outbox, pool))) => {
-            let handler = AmqpInbox {
-                module,
-                outbox: outbox.clone(),
-            };
+    let builder = builder.consumer_name(module.db().name).prefetch(PREFETCH);
+    let spawned = match ModuleReceiver::of(module)? {
+        ModuleReceiver::Sqlite(inbox, handler) => builder.spawn(inbox, handler).await,
+        ModuleReceiver::Postgres(inbox, handler) => {
             builder
                 .max_attempts(PG_MAX_ATTEMPTS)
                 .retry_delay(Duration::from_millis(50))
                 .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
-                .spawn(
-                    outbox::postgres::PgInbox::new(outbox.clone(), pool.clone()),
-                    handler,
-                )
+                .spawn(inbox, handler)
                 .await
-        }
-        (None, None) => {
-            return Err(Fail(format!(
-                "the {} database is neither SQLite nor PostgreSQL",
-                db.name
-            )));
         }
     };
     spawned
-        .map(Consumer)
+        .map(Consumer::Rabbit)
         .context(format!("consuming RabbitMQ {what}"))
 }
 

@@ -12,9 +12,9 @@
 //!
 //! * [`EmbeddedBus`] (the default) runs it in-process in [`receive`] and
 //!   answers the sending relay `Delivered` only after the commit;
-//! * with RabbitMQ, [`AmqpInbox`] hands the same handler to the library's
-//!   `RabbitConsumer` (its SQLite or PostgreSQL inbox), which runs the same
-//!   transaction and acks after the commit.
+//! * with RabbitMQ or NATS, [`ModuleInbox`] hands the same handler to the
+//!   library's `RabbitConsumer` or `NatsConsumer` (its SQLite or PostgreSQL
+//!   inbox), which runs the same transaction and acks after the commit.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -24,7 +24,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox::postgres::PgOutbox;
 use outbox::postgres::sqlx::PgConnection;
-use outbox::rabbitmq::{InboxHandler, Received};
+use outbox::receive::{InboxHandler, Received};
 use outbox::sqlite::sqlx::SqliteConnection;
 use outbox::sqlite::{InboxOutcome, SqliteOutbox};
 use outbox::{HandlerError, Message, MessageId, Outcome, Transport};
@@ -134,19 +134,20 @@ impl Transport for EmbeddedBus {
     }
 }
 
-/// A module's inbox handler as a `RabbitConsumer` handler: the consumer
+/// A module's inbox handler as a broker consumer's handler (RabbitMQ's or
+/// NATS's): the consumer
 /// runs the inbox transaction (SQLite or PostgreSQL, by the outbox `O`),
 /// this runs [`InboxModule::handle`] in it, with the module's outbox for
 /// its replies.
 #[derive(Debug)]
-pub struct AmqpInbox<O> {
+pub struct ModuleInbox<O> {
     /// The receiving module.
     pub module: Arc<dyn InboxModule>,
     /// Its outbox (`SqliteOutbox` or `PgOutbox`).
     pub outbox: O,
 }
 
-impl<O> AmqpInbox<O> {
+impl<O> ModuleInbox<O> {
     async fn run(&self, msg: &Received, tx: &mut Conn<'_>) -> Result<(), HandlerError> {
         let message_type = msg.message_type.as_deref().unwrap_or_default();
         self.module.handle(message_type, &msg.payload, tx).await
@@ -154,15 +155,51 @@ impl<O> AmqpInbox<O> {
 }
 
 #[async_trait]
-impl InboxHandler<SqliteConnection> for AmqpInbox<SqliteOutbox> {
+impl InboxHandler<SqliteConnection> for ModuleInbox<SqliteOutbox> {
     async fn handle(&self, msg: &Received, tx: &mut SqliteConnection) -> Result<(), HandlerError> {
         self.run(msg, &mut Conn::Sqlite(tx, &self.outbox)).await
     }
 }
 
 #[async_trait]
-impl InboxHandler<PgConnection> for AmqpInbox<PgOutbox> {
+impl InboxHandler<PgConnection> for ModuleInbox<PgOutbox> {
     async fn handle(&self, msg: &Received, tx: &mut PgConnection) -> Result<(), HandlerError> {
         self.run(msg, &mut Conn::Postgres(tx, &self.outbox)).await
+    }
+}
+
+/// A module's inbox and its handler, on the module's database: what a
+/// broker consumer (RabbitMQ's or NATS's) is spawned with.
+pub enum ModuleReceiver {
+    /// On SQLite.
+    Sqlite(outbox::sqlite::SqliteInbox, ModuleInbox<SqliteOutbox>),
+    /// On PostgreSQL.
+    Postgres(outbox::postgres::PgInbox, ModuleInbox<PgOutbox>),
+}
+
+impl ModuleReceiver {
+    /// `module`'s inbox and handler.
+    pub fn of(module: Arc<dyn InboxModule>) -> Result<ModuleReceiver, crate::fail::Fail> {
+        let db = module.db().clone();
+        match (db.sqlite(), db.postgres()) {
+            (Some((outbox, pool)), _) => Ok(ModuleReceiver::Sqlite(
+                outbox::sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
+                ModuleInbox {
+                    module,
+                    outbox: outbox.clone(),
+                },
+            )),
+            (None, Some((outbox, pool))) => Ok(ModuleReceiver::Postgres(
+                outbox::postgres::PgInbox::new(outbox.clone(), pool.clone()),
+                ModuleInbox {
+                    module,
+                    outbox: outbox.clone(),
+                },
+            )),
+            (None, None) => Err(crate::fail::Fail(format!(
+                "the {} database is neither SQLite nor PostgreSQL",
+                db.name
+            ))),
+        }
     }
 }

@@ -17,7 +17,8 @@
 //!    which records when the saga ended.
 //!
 //! Each module runs its own relay. Integration messages travel through an
-//! in-process bus by default, or through RabbitMQ with `--amqp URL`.
+//! in-process bus by default, through RabbitMQ with `--amqp URL`, or
+//! through NATS JetStream with `--nats URL`.
 //!
 //! With RabbitMQ and PostgreSQL the modules can also run as separate
 //! processes: one `--role ordering` and any number of `--role warehouse
@@ -28,6 +29,7 @@
 //! cargo run --release -p minishop -- --orders 200         # load run + summary
 //! cargo run --release -p minishop                         # HTTP API on 127.0.0.1:8080
 //! cargo run --release -p minishop -- --amqp amqp://guest:guest@127.0.0.1:5672/%2f --orders 200
+//! cargo run --release -p minishop -- --nats nats://127.0.0.1:4222 --orders 200
 //! cargo run --release -p minishop -- --postgres postgres://postgres@127.0.0.1:5432/test --orders 200
 //! # several processes (each line in its own terminal):
 //! minishop --amqp URL --postgres URL --role warehouse --replica 0 --replicas 2
@@ -36,6 +38,7 @@
 //! ```
 
 mod amqp;
+mod consumer;
 mod db;
 mod fail;
 mod health;
@@ -43,6 +46,7 @@ mod http;
 mod inbox;
 mod load;
 mod messages;
+mod nats;
 mod ordering;
 mod replica;
 mod shop;
@@ -105,6 +109,18 @@ struct Args {
         hide_env_values = true
     )]
     amqp: Option<String>,
+
+    /// Carry integration messages through NATS JetStream at URL instead
+    /// of the in-process bus, e.g. nats://127.0.0.1:4222 (one process:
+    /// --role all).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "OUTBOX_NATS_URL",
+        hide_env_values = true,
+        conflicts_with = "amqp"
+    )]
+    nats: Option<String>,
 
     /// With --amqp and/or --postgres: use queue and exchange names and
     /// PostgreSQL schemas unique to this run (deleted at exit), so that
@@ -278,9 +294,10 @@ fn parse_rate(text: &str) -> Result<f64, String> {
 }
 
 async fn run(args: Args) -> Result<(), Fail> {
-    if args.isolated && args.amqp.is_none() && args.postgres.is_none() {
+    if args.isolated && args.amqp.is_none() && args.nats.is_none() && args.postgres.is_none() {
         return Err(Fail(
-            "--isolated needs --amqp (or OUTBOX_AMQP_URL) or --postgres".into(),
+            "--isolated needs --amqp (or OUTBOX_AMQP_URL), --nats (or OUTBOX_NATS_URL) or --postgres"
+                .into(),
         ));
     }
     if args.rate.is_some() && args.orders.is_none() {
@@ -293,13 +310,18 @@ async fn run(args: Args) -> Result<(), Fail> {
     // side by side (SQLite's one writer would only make them take turns).
     let partitions = (args.role != Role::All || args.postgres.is_some()).then_some(args.partitions);
     // A malformed URL fails before anything is touched.
-    let bus = match &args.amqp {
-        None => Bus::Embedded,
-        Some(url) => Bus::Amqp {
+    let bus = match (&args.amqp, &args.nats) {
+        (Some(url), _) => Bus::Amqp {
             redacted: amqp::check_url(url)?,
             url: url.clone(),
             names: Box::new(AmqpNames::new(run.as_deref(), args.isolated, partitions)?),
         },
+        (None, Some(url)) => Bus::Nats {
+            redacted: nats::check_url(url)?,
+            url: url.clone(),
+            names: nats::NatsNames::new(run.as_deref(), args.isolated),
+        },
+        (None, None) => Bus::Embedded,
     };
     let location = match &args.postgres {
         None => Location::Sqlite {

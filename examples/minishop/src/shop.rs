@@ -5,11 +5,13 @@ use std::time::Duration;
 
 use outbox::{HealthStatus, Relay, RelayHandle, Store};
 
-use crate::amqp::{self, AmqpNames, Consumer};
+use crate::amqp::{self, AmqpNames};
+use crate::consumer::Consumer;
 use crate::db::Location;
 use crate::fail::{Context, Fail};
 use crate::health::{ShopHealth, combine};
 use crate::inbox::{EmbeddedBus, InboxModule};
+use crate::nats::{self, NatsNames};
 use crate::ordering::Ordering;
 use crate::warehouse::Warehouse;
 
@@ -26,6 +28,15 @@ pub enum Bus {
         redacted: String,
         /// The names of the queues and exchanges.
         names: Box<AmqpNames>,
+    },
+    /// Through NATS JetStream.
+    Nats {
+        /// The server URL (with its password: never print it, use `redacted`).
+        url: String,
+        /// The URL as it may be shown.
+        redacted: String,
+        /// The names of the streams.
+        names: NatsNames,
     },
 }
 
@@ -52,7 +63,8 @@ pub struct Shop {
     pub warehouse: Option<(Arc<Warehouse>, RelayHandle)>,
     consumers: Vec<Consumer>,
     amqp: Option<(String, AmqpNames)>,
-    /// `embedded` or `rabbitmq`.
+    nats: Option<(outbox::nats::NatsTransport, NatsNames)>,
+    /// `embedded`, `rabbitmq` or `nats`.
     pub bus_name: &'static str,
     /// For humans: `the embedded bus` or `RabbitMQ at amqp://user:***@host…`.
     pub bus_description: String,
@@ -119,8 +131,61 @@ impl Shop {
                     warehouse: Some((warehouse, warehouse_relay)),
                     consumers: Vec::new(),
                     amqp: None,
+                    nats: None,
                     bus_name: "embedded",
                     bus_description: "the embedded bus".into(),
+                })
+            }
+            Bus::Nats { .. } if modules == Modules::OrderingOnly => Err(Fail(
+                "Ordering alone needs RabbitMQ to reach the warehouse processes".into(),
+            )),
+            Bus::Nats {
+                url,
+                redacted,
+                names,
+            } => {
+                let ordering_out = nats::transport(&url, &names, "ordering").await?;
+                nats::declare(&ordering_out, &names).await?;
+                let warehouse = Warehouse::open(location).await?;
+                let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
+                let warehouse_out = nats::transport(&url, &names, "warehouse").await?;
+                let consumers = vec![
+                    nats::consumer(&url, &names, warehouse_inbox).await?,
+                    nats::consumer(&url, &names, ordering_inbox).await?,
+                ];
+                let warehouse_relay = spawn(
+                    relay(
+                        warehouse.database().store(),
+                        "warehouse",
+                        "minishop-warehouse".into(),
+                    )
+                    .transport(warehouse_out),
+                    "warehouse",
+                )?;
+                let ordering_relay = spawn(
+                    relay(
+                        ordering.database().store(),
+                        "ordering",
+                        "minishop-ordering".into(),
+                    )
+                    .transport(ordering_out.clone())
+                    .dispatcher(ordering.handlers()),
+                    "ordering",
+                )?;
+                let bus_description = format!(
+                    "NATS JetStream at {redacted} (stream `{}`{})",
+                    names.stream,
+                    if names.isolated { ", isolated" } else { "" },
+                );
+                Ok(Shop {
+                    ordering,
+                    ordering_relay,
+                    warehouse: Some((warehouse, warehouse_relay)),
+                    consumers,
+                    amqp: None,
+                    nats: Some((ordering_out, names)),
+                    bus_name: "nats",
+                    bus_description,
                 })
             }
             Bus::Amqp {
@@ -201,6 +266,7 @@ impl Shop {
                     warehouse,
                     consumers,
                     amqp: Some((url, *names)),
+                    nats: None,
                     bus_name: "rabbitmq",
                     bus_description,
                 })
@@ -224,7 +290,7 @@ impl Shop {
             } else if !c.is_connected() {
                 findings.push((
                     HealthStatus::Degraded,
-                    format!("consumer of `{}`: reconnecting to RabbitMQ", c.queue()),
+                    format!("consumer of `{}`: reconnecting to the broker", c.queue()),
                 ));
             }
         }
@@ -305,6 +371,11 @@ impl Shop {
         if let Some((url, names)) = &self.amqp {
             if names.isolated {
                 amqp::delete_isolated(url, names).await;
+            }
+        }
+        if let Some((transport, names)) = &self.nats {
+            if names.isolated {
+                nats::delete_isolated(transport, names).await;
             }
         }
         self.ordering.database().close().await;

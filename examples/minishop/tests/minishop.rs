@@ -151,6 +151,50 @@ fn two_hundred_orders_through_rabbitmq() {
     }
 }
 
+/// The saga over NATS JetStream, on SQLite: every order ends, and an
+/// isolated run deletes its streams.
+#[test]
+fn two_hundred_orders_through_nats() {
+    let url = outbox_api::testing::service_url(&outbox_nats::testing::NATS);
+    let dir = tempfile::tempdir().unwrap();
+    let f = run(
+        minishop()
+            .args([
+                "--orders",
+                "200",
+                "--isolated",
+                "--timeout",
+                "60s",
+                "--nats",
+                &url,
+            ])
+            .arg("--data-dir")
+            .arg(dir.path()),
+        Duration::from_secs(90),
+    );
+    check_load_run(&f, 200);
+    assert!(f.stdout.contains("NATS JetStream"), "{}", f.stdout);
+    let stream = f
+        .stdout
+        .split("stream `")
+        .nth(1)
+        .and_then(|rest| rest.split('`').next())
+        .expect("the banner names the stream")
+        .to_owned();
+    let deleted = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(async {
+            let client = outbox_nats::async_nats::connect(url.as_str())
+                .await
+                .unwrap();
+            let js = outbox_nats::async_nats::jetstream::new(client);
+            js.get_stream(&stream).await.is_err()
+        });
+    assert!(deleted, "an isolated run deletes its stream `{stream}`");
+}
+
 /// The schemas a run named in its banner (`… (schemas `a`, `b`), …`).
 fn schemas_of(stderr: &str) -> Vec<String> {
     let line = stderr
@@ -232,6 +276,13 @@ fn postgres_load_run(extra: &[&str]) -> Finished {
 fn two_hundred_orders_on_postgres() {
     let f = postgres_load_run(&[]);
     assert!(f.stdout.contains("embedded bus"), "{}", f.stdout);
+}
+
+#[test]
+fn two_hundred_orders_on_postgres_through_nats() {
+    let nats = outbox_api::testing::service_url(&outbox_nats::testing::NATS);
+    let f = postgres_load_run(&["--nats", &nats]);
+    assert!(f.stdout.contains("NATS JetStream"), "{}", f.stdout);
 }
 
 #[test]

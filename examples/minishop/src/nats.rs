@@ -1,0 +1,151 @@
+//! NATS JetStream wiring (`--nats URL`): the streams, the relays'
+//! transports and the modules' inbox consumers.
+//!
+//! One stream carries both modules' messages, on subjects
+//! `minishop.<receiving module>.<message type>`; each module consumes its
+//! own subjects with a durable consumer named after it. Dead letters go to
+//! a second stream, `minishop-dead.<module>`, for a human.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::OutboxMessage;
+use outbox::nats::{NatsConfig, NatsConsumer, NatsTransport, StreamSpec};
+
+use crate::amqp::{PG_MAX_ATTEMPTS, PREFETCH};
+use crate::consumer::Consumer;
+use crate::fail::{Context, Fail};
+use crate::inbox::{InboxModule, ModuleReceiver};
+use crate::messages::OrderPlaced;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The relays' lease and handler timeout (the library's defaults): the
+/// stream's duplicate window covers them.
+const RELAY_LEASE: Duration = Duration::from_secs(60);
+const RELAY_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The names of everything MiniShop declares on the server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsNames {
+    /// The stream of both modules' messages.
+    pub stream: String,
+    /// Its subjects' first token: `minishop`, or `minishop-<run id>`.
+    pub prefix: String,
+    /// The dead letters' stream, for a human.
+    pub dead_stream: String,
+    /// Its subjects' first token.
+    pub dead_prefix: String,
+    /// Whether the names are unique to this run (deleted at exit).
+    pub isolated: bool,
+}
+
+impl NatsNames {
+    /// `MINISHOP` on `minishop.>`, `MINISHOP_DEAD` on `minishop-dead.>`;
+    /// with a `run` id, each name gets it as a suffix.
+    pub fn new(run: Option<&str>, isolated: bool) -> Self {
+        let (upper, lower) = match run {
+            Some(id) => (format!("_{id}"), format!("-{id}")),
+            None => (String::new(), String::new()),
+        };
+        NatsNames {
+            stream: format!("MINISHOP{upper}"),
+            prefix: format!("minishop{lower}"),
+            dead_stream: format!("MINISHOP_DEAD{upper}"),
+            dead_prefix: format!("minishop-dead{lower}"),
+            isolated,
+        }
+    }
+
+    /// The subject of a message of `message_type`: the receiving module's.
+    pub fn subject(&self, message_type: &str) -> String {
+        let to = if message_type == OrderPlaced::MESSAGE_TYPE {
+            "warehouse"
+        } else {
+            "ordering"
+        };
+        format!("{}.{to}.{message_type}", self.prefix)
+    }
+}
+
+/// Checks the URL without connecting (a malformed one fails here, redacted).
+pub fn check_url(url: &str) -> Result<String, Fail> {
+    let config = NatsConfig::new(url);
+    config.validate().context("--nats")?;
+    Ok(config.url_redacted())
+}
+
+/// A relay's transport: publishes to the receiving module's subject, and
+/// awaits JetStream's acknowledgement.
+pub async fn transport(url: &str, names: &NatsNames, who: &str) -> Result<NatsTransport, Fail> {
+    let routes = names.clone();
+    NatsTransport::connect(
+        NatsTransport::builder(url)
+            .connect_timeout(CONNECT_TIMEOUT)
+            .client_name(format!("minishop {who} relay"))
+            .subject_with(move |m| routes.subject(&m.message_type)),
+    )
+    .await
+    .context("connecting to NATS")
+}
+
+/// Declares both streams (or checks them, when they exist).
+pub async fn declare(transport: &NatsTransport, names: &NatsNames) -> Result<(), Fail> {
+    transport
+        .declare(
+            &StreamSpec::new(names.stream.as_str(), [format!("{}.>", names.prefix)])
+                .covering(RELAY_LEASE, RELAY_HANDLER_TIMEOUT),
+        )
+        .await
+        .context("declaring the NATS stream")?;
+    transport
+        .declare(&StreamSpec::new(
+            names.dead_stream.as_str(),
+            [format!("{}.>", names.dead_prefix)],
+        ))
+        .await
+        .context("declaring the NATS dead-letter stream")
+}
+
+/// Consumes `module`'s subjects into its inbox (ack after the inbox
+/// commit), with a durable consumer named after the module.
+pub async fn consumer(
+    url: &str,
+    names: &NatsNames,
+    module: Arc<dyn InboxModule>,
+) -> Result<Consumer, Fail> {
+    let name = module.db().name;
+    let subjects = format!("{}.{name}.>", names.prefix);
+    let builder = NatsConsumer::builder(
+        NatsConfig::new(url)
+            .connect_timeout(CONNECT_TIMEOUT)
+            .client_name(format!("minishop {name} consumer")),
+        names.stream.as_str(),
+        name,
+    )
+    .filter_subject(subjects.as_str())
+    .dead_letter_subject(format!("{}.{name}", names.dead_prefix))
+    .max_ack_pending(usize::from(PREFETCH));
+    let spawned = match ModuleReceiver::of(module)? {
+        ModuleReceiver::Sqlite(inbox, handler) => builder.spawn(inbox, handler).await,
+        ModuleReceiver::Postgres(inbox, handler) => {
+            builder
+                .max_attempts(PG_MAX_ATTEMPTS)
+                .retry_delay(Duration::from_millis(50))
+                .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
+                .spawn(inbox, handler)
+                .await
+        }
+    };
+    spawned
+        .map(|h| Consumer::Nats(h, subjects.clone()))
+        .context(format!("consuming NATS subjects `{subjects}`"))
+}
+
+/// Deletes the streams of an isolated run (best effort).
+pub async fn delete_isolated(transport: &NatsTransport, names: &NatsNames) {
+    for stream in [&names.stream, &names.dead_stream] {
+        if let Err(e) = transport.jetstream().delete_stream(stream).await {
+            tracing::warn!(stream = %stream, error = %e, "could not delete this run's stream");
+        }
+    }
+}
