@@ -1,24 +1,6 @@
 //! [`NatsConsumer`]: consumes a JetStream stream into any store's
 //! [`Inbox`](outbox_api::Inbox), so that at-least-once delivery gives
 //! exactly-once effects.
-//!
-//! A durable pull consumer with explicit acknowledgement. Each message is
-//! decoded ([`Received`]: `Nats-Msg-Id` is the inbox key), run through the
-//! inbox with the handler, and acknowledged only after the inbox commit.
-//! What happens after a try is decided by [`RetryRules::settle`], as for
-//! every consumer of this project: a failed handler is tried again **in
-//! place** after `retry_delay`, later messages of its key held behind it in
-//! this process (other keys go on); at `max_attempts` it is published to
-//! the dead-letter subject (through JetStream, acknowledged) and terminated;
-//! an outage of the handler's downstream or of the database is retried
-//! uncounted with a growing backoff. Held messages are kept from being
-//! redelivered by the server with "in progress" acknowledgements every half
-//! `ack_wait`.
-//!
-//! Per-key order holds within one consumer process: JetStream hands a
-//! durable consumer's messages to its subscribers in stream order, so run
-//! one process per durable consumer (or one durable per partition of the
-//! subjects) when order matters.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -52,7 +34,25 @@ pub const DEAD_CONSUMER_HEADER: &str = "Outbox-Dead-Consumer";
 /// Header of a dead letter: the handler failures it took.
 pub const DEAD_ATTEMPTS_HEADER: &str = "Outbox-Dead-Attempts";
 
-/// Consumes a JetStream stream into an inbox; see the [module](self).
+/// Consumes a JetStream stream into an inbox.
+///
+/// A durable pull consumer with explicit acknowledgement. Each message is
+/// decoded ([`Received`]: `Nats-Msg-Id` is the inbox key), run through the
+/// inbox with the handler, and acknowledged only after the inbox commit.
+/// What happens after a try is decided by [`RetryRules::settle`], as for
+/// every consumer of this project: a failed handler is tried again **in
+/// place** after `retry_delay`, later messages of its key held behind it in
+/// this process (other keys go on); at `max_attempts` it is published to
+/// the dead-letter subject (through JetStream, acknowledged) and terminated;
+/// an outage of the handler's downstream or of the database is retried
+/// uncounted with a growing backoff. Held messages are kept from being
+/// redelivered by the server with "in progress" acknowledgements every half
+/// `ack_wait`.
+///
+/// Per-key order holds within one consumer process: JetStream hands a
+/// durable consumer's messages to its subscribers in stream order, so run
+/// one process per durable consumer (or one durable per partition of the
+/// subjects) when order matters.
 pub struct NatsConsumer;
 
 impl NatsConsumer {
