@@ -9,6 +9,7 @@
 //! [`transport_conformance_tests!`](crate::transport_conformance_tests)) in
 //! its tests, which expands to one `#[test]` per clause.
 
+pub mod consumer;
 pub mod inbox;
 pub mod metrics;
 pub mod proxy;
@@ -16,6 +17,7 @@ pub mod services;
 pub mod store;
 pub mod transport;
 
+pub use consumer::{ConsumerSettings, ConsumerUnderTest};
 pub use inbox::InboxUnderTest;
 pub use metrics::TestRecorder;
 pub use proxy::{TcpProxy, percent_encode};
