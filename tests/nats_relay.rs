@@ -11,58 +11,49 @@ use outbox::{
 };
 use outbox_api::testing::{TcpProxy, wait_until};
 use outbox_memory::MemoryStore;
-use outbox_nats::async_nats::{self, jetstream};
-use outbox_nats::testing::{nats_url, server_addr, unique_name};
+use outbox_nats::testing::{TestStream, header, nats_url, server_addr, unique_name};
 use outbox_nats::{KEY_HEADER, MSG_ID_HEADER, NatsTransport};
 
 const DEADLINE: Duration = Duration::from_secs(60);
 
-/// The test's own stream capturing `{name}.>`.
-struct Stream {
-    name: String,
-    js: jetstream::Context,
+/// `(message id, key)` of every message `stream` stored, in order.
+async fn stored(stream: &TestStream) -> Vec<(MessageId, Option<String>)> {
+    stream
+        .stored()
+        .await
+        .iter()
+        .map(|m| {
+            let id = header(&m.headers, MSG_ID_HEADER).expect("an id");
+            (
+                id.parse().expect("a message id"),
+                header(&m.headers, KEY_HEADER),
+            )
+        })
+        .collect()
 }
 
-impl Stream {
-    async fn new() -> Stream {
-        let name = unique_name("relay");
-        let client = async_nats::connect(nats_url())
-            .await
-            .expect("connect to NATS");
-        let js = jetstream::new(client);
-        js.create_stream(jetstream::stream::Config {
-            name: name.clone(),
-            subjects: vec![format!("{name}.>")],
-            storage: jetstream::stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("create the test's stream");
-        Stream { name, js }
+/// Every one of `ids` is processed with no attempt counted, and `stream`
+/// stored each exactly once.
+async fn assert_each_stored_once_and_uncounted(
+    store: &MemoryStore,
+    stream: &TestStream,
+    ids: &[MessageId],
+) -> Vec<(MessageId, Option<String>)> {
+    for id in ids {
+        let m = store.get(*id).await.unwrap().unwrap();
+        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0), "{m:?}");
     }
-
-    /// `(message id, key)` of every stored message, in stream order.
-    async fn stored(&self) -> Vec<(MessageId, Option<String>)> {
-        let mut stream = self.js.get_stream(&self.name).await.unwrap();
-        let last = stream.info().await.unwrap().state.last_sequence;
-        let mut out = Vec::new();
-        for seq in 1..=last {
-            let m = stream.get_raw_message(seq).await.unwrap();
-            let header = |name: &str| {
-                let name: async_nats::HeaderName = name.parse().unwrap();
-                m.headers.get(name).map(|v| v.as_str().to_owned())
-            };
-            out.push((
-                header(MSG_ID_HEADER).unwrap().parse().unwrap(),
-                header(KEY_HEADER),
-            ));
-        }
-        out
+    let stored = stored(stream).await;
+    let mut seen: HashMap<MessageId, usize> = HashMap::new();
+    for (id, _) in &stored {
+        *seen.entry(*id).or_default() += 1;
     }
-
-    async fn cleanup(&self) {
-        let _ = self.js.delete_stream(&self.name).await;
-    }
+    assert_eq!(seen.len(), ids.len(), "every message stored");
+    assert!(
+        seen.values().all(|&n| n == 1),
+        "a message stored twice: Nats-Msg-Id should have dropped the copy"
+    );
+    stored
 }
 
 fn enqueue(store: &MemoryStore, messages: Vec<NewMessage>) -> Vec<MessageId> {
@@ -79,7 +70,7 @@ fn enqueue(store: &MemoryStore, messages: Vec<NewMessage>) -> Vec<MessageId> {
 /// key's messages in commit order, and the outage counts no attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_message_arrives_once_in_key_order_through_an_outage_with_no_attempt_counted() {
-    let stream = Stream::new().await;
+    let stream = TestStream::new("relay").await;
     let proxy = TcpProxy::start(server_addr(&nats_url())).await;
     let transport = NatsTransport::connect(
         NatsTransport::builder(format!("nats://{}", proxy.addr()))
@@ -132,20 +123,7 @@ async fn every_message_arrives_once_in_key_order_through_an_outage_with_no_attem
     })
     .await;
 
-    for id in &ids {
-        let m = store.get(*id).await.unwrap().unwrap();
-        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0), "{m:?}");
-    }
-    let stored = stream.stored().await;
-    let mut seen: HashMap<MessageId, usize> = HashMap::new();
-    for (id, _) in &stored {
-        *seen.entry(*id).or_default() += 1;
-    }
-    assert_eq!(seen.len(), ids.len(), "every message stored");
-    assert!(
-        seen.values().all(|&n| n == 1),
-        "a message stored twice: Nats-Msg-Id should have dropped the copy"
-    );
+    let stored = assert_each_stored_once_and_uncounted(&store, &stream, &ids).await;
     // Per key, stream order is commit (enqueue) order.
     let rank: HashMap<MessageId, usize> = ids.iter().enumerate().map(|(i, id)| (*id, i)).collect();
     let mut last: HashMap<String, usize> = HashMap::new();
@@ -157,7 +135,7 @@ async fn every_message_arrives_once_in_key_order_through_an_outage_with_no_attem
         }
     }
     relay.shutdown().await;
-    stream.cleanup().await;
+    stream.delete().await;
 }
 
 /// A subject no stream captures is that message's failure: counted,
@@ -165,7 +143,7 @@ async fn every_message_arrives_once_in_key_order_through_an_outage_with_no_attem
 /// is never reported down.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_subject_without_a_stream_is_counted_and_poisoned_while_others_flow() {
-    let stream = Stream::new().await;
+    let stream = TestStream::new("relay").await;
     let transport = NatsTransport::connect(NatsTransport::builder(nats_url()))
         .await
         .unwrap();
@@ -218,10 +196,10 @@ async fn a_subject_without_a_stream_is_counted_and_poisoned_while_others_flow() 
         }
     })
     .await;
-    assert_eq!(stream.stored().await.len(), 20);
+    assert_eq!(stream.ids().await.len(), 20);
     assert_eq!(relay.health().await.transport, outbox::TransportHealth::Up);
     relay.shutdown().await;
-    stream.cleanup().await;
+    stream.delete().await;
 }
 
 /// A server of the test's own (file storage) killed with SIGKILL mid-run
@@ -289,24 +267,10 @@ async fn a_server_killed_and_restarted_mid_run_loses_nothing_and_counts_no_attem
         async move { store.stats().await.unwrap().pending == 0 }
     })
     .await;
-    for id in &ids {
-        let m = store.get(*id).await.unwrap().unwrap();
-        assert_eq!((m.state, m.attempts), (MessageState::Processed, 0), "{m:?}");
-    }
-    let stream = Stream {
+    let stream = TestStream {
         name: name.clone(),
         js: transport.jetstream().clone(),
     };
-    let stored = stream.stored().await;
-    let mut seen: HashMap<MessageId, usize> = HashMap::new();
-    for (id, _) in &stored {
-        *seen.entry(*id).or_default() += 1;
-    }
-    assert_eq!(
-        seen.len(),
-        ids.len(),
-        "every message stored after the crash"
-    );
-    assert!(seen.values().all(|&n| n == 1), "a message stored twice");
+    assert_each_stored_once_and_uncounted(&store, &stream, &ids).await;
     relay.shutdown().await;
 }

@@ -146,3 +146,81 @@ impl Drop for OwnNats {
         self.kill();
     }
 }
+
+/// A stream of a test's own on the shared server (memory storage),
+/// capturing `{name}.>`, read back message by message.
+#[derive(Debug)]
+pub struct TestStream {
+    /// Its name, also its subjects' first token.
+    pub name: String,
+    /// A JetStream context on its own connection.
+    pub js: async_nats::jetstream::Context,
+}
+
+impl TestStream {
+    /// Creates one named `unique_name(prefix)` on the server at [`nats_url`].
+    ///
+    /// # Panics
+    /// When the server cannot be reached or refuses the stream.
+    pub async fn new(prefix: &str) -> TestStream {
+        use async_nats::jetstream;
+        let name = unique_name(prefix);
+        let client = async_nats::connect(nats_url())
+            .await
+            .expect("connect to NATS");
+        let js = jetstream::new(client);
+        js.create_stream(jetstream::stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{name}.>")],
+            storage: jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .expect("create the test's stream");
+        TestStream { name, js }
+    }
+
+    /// The stored messages, in stream order.
+    ///
+    /// # Panics
+    /// When the stream cannot be read.
+    pub async fn stored(&self) -> Vec<async_nats::jetstream::message::StreamMessage> {
+        let mut stream = self.js.get_stream(&self.name).await.expect("the stream");
+        let last = stream
+            .info()
+            .await
+            .expect("stream info")
+            .state
+            .last_sequence;
+        let mut out = Vec::new();
+        for seq in 1..=last {
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                out.push(m);
+            }
+        }
+        out
+    }
+
+    /// The outbox ids (`Nats-Msg-Id`) of the stored messages, in order.
+    pub async fn ids(&self) -> Vec<outbox_api::MessageId> {
+        self.stored()
+            .await
+            .iter()
+            .filter_map(|m| header(&m.headers, crate::MSG_ID_HEADER))
+            .filter_map(|v| v.parse().ok())
+            .collect()
+    }
+
+    /// Deletes it.
+    pub async fn delete(&self) {
+        let _ = self.js.delete_stream(&self.name).await;
+    }
+}
+
+/// A header's value; `name` is parsed as the wire's names are
+/// (`Nats-Msg-Id` is one of the client's standard names, which a plain
+/// string lookup would miss).
+pub fn header(h: &async_nats::HeaderMap, name: &str) -> Option<String> {
+    let name: async_nats::HeaderName = name.parse().ok()?;
+    h.get(name).map(|v| v.as_str().to_owned())
+}

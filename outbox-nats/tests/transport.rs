@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, stream::Stream};
+use async_nats::jetstream;
 use outbox_api::testing::{TcpProxy, TransportUnderTest};
 use outbox_api::{Message, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport};
-use outbox_nats::testing::{nats_url, server_addr, unique_name};
+use outbox_nats::testing::{TestStream, header, nats_url, server_addr, unique_name};
 use outbox_nats::{NatsConfig, NatsTransport, StreamSpec};
 
 fn message(n: usize) -> NewMessage {
@@ -20,13 +20,6 @@ fn message(n: usize) -> NewMessage {
     )
 }
 
-/// A header's value (the name parsed as the wire's is: `Nats-Msg-Id` is
-/// one of the client's standard names).
-fn header(h: &async_nats::HeaderMap, name: &str) -> Option<String> {
-    let name: async_nats::HeaderName = name.parse().expect("a header name");
-    h.get(name).map(|v| v.as_str().to_owned())
-}
-
 fn stored(m: NewMessage) -> Message {
     m.into_message(Timestamp::now())
         .expect("valid test message")
@@ -34,26 +27,16 @@ fn stored(m: NewMessage) -> Message {
 
 /// A stream of the test's own capturing `{name}.>`, read back directly.
 struct Fixture {
+    stream: TestStream,
     name: String,
     js: jetstream::Context,
 }
 
 impl Fixture {
     async fn new() -> Fixture {
-        let name = unique_name("tx");
-        let client = async_nats::connect(nats_url())
-            .await
-            .expect("connect to NATS");
-        let js = jetstream::new(client);
-        js.create_stream(jetstream::stream::Config {
-            name: name.clone(),
-            subjects: vec![format!("{name}.>")],
-            storage: jetstream::stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("create the test's stream");
-        Fixture { name, js }
+        let stream = TestStream::new("tx").await;
+        let (name, js) = (stream.name.clone(), stream.js.clone());
+        Fixture { stream, name, js }
     }
 
     fn deliverable(&self, n: usize) -> Message {
@@ -65,42 +48,16 @@ impl Fixture {
         stored(message(999).destination(format!("{}-none", self.name), "x"))
     }
 
-    async fn stream(&self) -> Stream {
-        self.js
-            .get_stream(&self.name)
-            .await
-            .expect("the test's stream")
-    }
-
-    /// The stored messages, in stream order.
     async fn stored(&self) -> Vec<jetstream::message::StreamMessage> {
-        let mut stream = self.stream().await;
-        let last = stream
-            .info()
-            .await
-            .expect("stream info")
-            .state
-            .last_sequence;
-        let mut out = Vec::new();
-        for seq in 1..=last {
-            if let Ok(m) = stream.get_raw_message(seq).await {
-                out.push(m);
-            }
-        }
-        out
+        self.stream.stored().await
     }
 
     async fn ids(&self) -> Vec<MessageId> {
-        self.stored()
-            .await
-            .iter()
-            .filter_map(|m| header(&m.headers, outbox_nats::MSG_ID_HEADER))
-            .filter_map(|v| v.parse().ok())
-            .collect()
+        self.stream.ids().await
     }
 
     async fn cleanup(&self) {
-        let _ = self.js.delete_stream(&self.name).await;
+        self.stream.delete().await;
     }
 }
 
