@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
 use outbox::memory::MemoryStore;
-use outbox::{MessageId, MessageKind, NewMessage, Relay};
+use outbox::{MessageId, MessageKind, NewMessage, Relay, Timestamp};
 use outbox_nats::async_nats::jetstream::{self, message::PublishMessage};
 use outbox_nats::async_nats::{self, HeaderMap};
 use outbox_nats::{NatsTransport, StreamSpec};
@@ -86,7 +86,7 @@ impl Server {
     }
 }
 
-/// Bare async-nats: publish with `Nats-Msg-Id`, at most `window`
+/// Bare async-nats: publish with the relay's headers, at most `window`
 /// acknowledgements awaited at once, a publish going out as each
 /// acknowledgement comes back (acks read on the same task: at most
 /// `window` are held, so the client's window always has a permit free).
@@ -102,8 +102,16 @@ async fn bare_async_nats(s: &Server, n: usize, window: usize) -> f64 {
     let mut sent = 0;
     while sent < n || !acks.is_empty() {
         if sent < n && acks.len() < window {
+            // The headers the relay's messages carry, so that both send
+            // the same bytes.
             let mut headers = HeaderMap::new();
             headers.insert("Nats-Msg-Id", MessageId::new().to_string().as_str());
+            headers.insert("Outbox-Type", "Bench");
+            headers.insert("Content-Type", "application/octet-stream");
+            headers.insert(
+                "Outbox-Created-At",
+                Timestamp::now().as_millis().to_string().as_str(),
+            );
             let publish = PublishMessage::build()
                 .payload(payload(sent).into())
                 .headers(headers);
@@ -190,5 +198,6 @@ pub async fn figures(quick: bool) -> Vec<Figure> {
         "≤ 20 ms",
     ));
     s.delete().await;
+    out.extend(crate::consumer::nats::figures(quick).await);
     out
 }

@@ -2,6 +2,18 @@
 
 use super::*;
 
+/// A store's inbox and the figures' handler on its connection type.
+pub(super) enum BenchInbox {
+    Sqlite(
+        outbox_sqlite::SqliteInbox,
+        Arc<dyn outbox_api::receive::InboxHandler<SqliteConnection>>,
+    ),
+    Postgres(
+        outbox_postgres::PgInbox,
+        Arc<dyn outbox_api::receive::InboxHandler<PgConnection>>,
+    ),
+}
+
 /// The inbox database of one run, with the handler's `effects` table.
 pub(super) enum Db {
     Sqlite {
@@ -78,14 +90,9 @@ impl Db {
         }
     }
 
-    /// A `RabbitConsumer` into this inbox running the handler: insert the
-    /// effect row, count.
-    pub(super) async fn consumer(
-        &self,
-        builder: outbox_rabbitmq::RabbitConsumerBuilder,
-        tally: Arc<Tally>,
-    ) -> ConsumerHandle {
-        let builder = builder.consumer_name("bench").prefetch(PREFETCH);
+    /// This database's inbox and the handler every consumer figure runs:
+    /// insert the effect row, count.
+    pub(super) fn inbox(&self, tally: Arc<Tally>) -> BenchInbox {
         match self {
             Db::Sqlite { outbox, pool, .. } => {
                 let handler = handler_fn(
@@ -102,13 +109,10 @@ impl Db {
                         })
                     },
                 );
-                builder
-                    .spawn(
-                        outbox_sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
-                        handler,
-                    )
-                    .await
-                    .unwrap()
+                BenchInbox::Sqlite(
+                    outbox_sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
+                    Arc::new(handler),
+                )
             }
             Db::Postgres(f) => {
                 let insert = format!(
@@ -129,14 +133,24 @@ impl Db {
                         })
                     },
                 );
-                builder
-                    .spawn(
-                        outbox_postgres::PgInbox::new(f.pg().outbox(), f.pool().clone()),
-                        handler,
-                    )
-                    .await
-                    .unwrap()
+                BenchInbox::Postgres(
+                    outbox_postgres::PgInbox::new(f.pg().outbox(), f.pool().clone()),
+                    Arc::new(handler),
+                )
             }
+        }
+    }
+
+    /// A `RabbitConsumer` into this inbox running the handler.
+    pub(super) async fn consumer(
+        &self,
+        builder: outbox_rabbitmq::RabbitConsumerBuilder,
+        tally: Arc<Tally>,
+    ) -> ConsumerHandle {
+        let builder = builder.consumer_name("bench").prefetch(PREFETCH);
+        match self.inbox(tally) {
+            BenchInbox::Sqlite(inbox, handler) => builder.spawn(inbox, handler).await.unwrap(),
+            BenchInbox::Postgres(inbox, handler) => builder.spawn(inbox, handler).await.unwrap(),
         }
     }
 

@@ -100,6 +100,7 @@ impl Tally {
 }
 
 mod db;
+pub mod nats;
 mod partitioned;
 mod runs;
 
