@@ -1,0 +1,283 @@
+//! A NATS consumer process SIGKILLed mid-run and a new one started: 2,000
+//! messages over 50 keys, sent through `NatsTransport` as the relay sends
+//! them, into a PostgreSQL inbox; every message's effect exactly once,
+//! nothing dead-lettered or retried (the kill is an outage, not a failure),
+//! nothing left unacknowledged. What the killed process held comes again
+//! after `ack_wait` (3 s here).
+//!
+//! `harness = false`: run without arguments this is the test; run with
+//! `OUTBOX_NATS_SIGKILL_CHILD` set it is one consumer process, until its
+//! stdin closes (then it prints its stats) — or until it is killed.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use outbox_api::receive::{HandlerFuture, Received, handler_fn};
+use outbox_api::testing::wait_until;
+use outbox_api::{HandlerError, MessageKind, NewMessage, Outcome, Timestamp, Transport};
+use outbox_nats::testing::{nats_url, unique_name};
+use outbox_nats::{NatsConfig, NatsConsumer, NatsTransport, StreamSpec};
+use outbox_postgres::PgStore;
+use outbox_postgres::sqlx::{self, PgConnection, postgres::PgPoolOptions};
+use outbox_postgres::testing::{PgUnderTest, database_url};
+
+const CHILD: &str = "OUTBOX_NATS_SIGKILL_CHILD";
+const KEYS: usize = 50;
+const PER_KEY: usize = 40;
+const TOTAL: usize = KEYS * PER_KEY;
+const DEADLINE: Duration = Duration::from_secs(60);
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    match std::env::var(CHILD) {
+        Ok(setup) => rt.block_on(child(&setup)),
+        Err(_) => {
+            let started = Instant::now();
+            rt.block_on(a_consumer_process_sigkilled_mid_run_loses_nothing());
+            println!(
+                "test a_consumer_process_sigkilled_mid_run_loses_nothing ... ok ({:.1} s)",
+                started.elapsed().as_secs_f64()
+            );
+        }
+    }
+}
+
+/// One consumer process: `<schema> <stream>` in its environment; logs each
+/// handled message in the inbox transaction.
+async fn child(setup: &str) {
+    let (schema, stream) = setup.split_once(' ').expect("<schema> <stream>");
+    let url = database_url();
+    let store = PgStore::builder(url.clone())
+        .schema(schema)
+        .table("test_outbox")
+        .inbox_table("test_inbox")
+        .max_connections(2)
+        .connect()
+        .await
+        .expect("the test's schema");
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .expect("application pool");
+    let log = format!(r#"INSERT INTO "{schema}".log (id, body) VALUES ($1, $2)"#);
+    let handler = handler_fn(
+        move |msg: &Received, tx: &mut PgConnection| -> HandlerFuture<'_> {
+            let log = log.clone();
+            Box::pin(async move {
+                sqlx::query(sqlx::AssertSqlSafe(log))
+                    .bind(msg.id.to_string())
+                    .bind(String::from_utf8_lossy(&msg.payload).into_owned())
+                    .execute(&mut *tx)
+                    .await?;
+                Ok::<(), HandlerError>(())
+            })
+        },
+    );
+    let consumer = NatsConsumer::builder(NatsConfig::new(nats_url()), stream, "sigkill")
+        .dead_letter_subject(format!("{stream}-dead.sigkill"))
+        .max_ack_pending(50)
+        .handler_timeout(Duration::from_secs(1))
+        .ack_wait(Duration::from_secs(3))
+        .spawn(outbox_postgres::PgInbox::new(store.outbox(), pool), handler)
+        .await
+        .expect("start the consumer");
+    println!("ready");
+    std::io::stdout().flush().unwrap();
+    // Until the parent closes stdin (a graceful stop) — or kills us.
+    tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        while std::io::stdin()
+            .read_line(&mut line)
+            .map(|n| n > 0)
+            .unwrap_or(false)
+        {
+            line.clear();
+        }
+    })
+    .await
+    .unwrap();
+    consumer.shutdown().await;
+    let s = consumer.stats();
+    println!(
+        "stats retried={} dead_lettered={} deferred={}",
+        s.retried, s.dead_lettered, s.deferred
+    );
+}
+
+/// A consumer process, and its output lines.
+struct Process {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Process {
+    fn start(setup: &str) -> Process {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env(CHILD, setup)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start a consumer process");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { return };
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let p = Process { child, lines };
+        p.wait_line("ready");
+        p
+    }
+
+    /// Waits (blocking, at most [`DEADLINE`]) for a line starting with `want`.
+    fn wait_line(&self, want: &str) -> String {
+        let until = Instant::now() + DEADLINE;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(want) => return line,
+                Ok(_) => {}
+                Err(e) => panic!("consumer process: no `{want}` within {DEADLINE:?} ({e})"),
+            }
+        }
+    }
+
+    fn sigkill(mut self) {
+        self.child.kill().expect("SIGKILL"); // SIGKILL on Unix
+        self.child.wait().unwrap();
+    }
+
+    /// Stops it gracefully; its stats line.
+    fn stop(mut self) -> String {
+        drop(self.child.stdin.take()); // EOF: shut down gracefully
+        let stats = self.wait_line("stats");
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "consumer process ended with {status}");
+        stats
+    }
+}
+
+async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
+    let stream = unique_name("kill");
+    let transport = NatsTransport::connect(NatsTransport::builder(nats_url()))
+        .await
+        .expect("connect to NATS");
+    for (name, subjects) in [
+        (stream.clone(), format!("{stream}.>")),
+        (format!("{stream}_DEAD"), format!("{stream}-dead.>")),
+    ] {
+        transport
+            .declare(&StreamSpec::new(name, [subjects]))
+            .await
+            .expect("declare the test's streams");
+    }
+    let db = PgUnderTest::fresh(None).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        r#"CREATE TABLE "{}".log (n BIGSERIAL PRIMARY KEY, id TEXT NOT NULL, body TEXT NOT NULL)"#,
+        db.schema()
+    )))
+    .execute(db.pool())
+    .await
+    .unwrap();
+    let count = |what: &'static str| {
+        let (pool, schema) = (db.pool().clone(), db.schema().to_owned());
+        async move {
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(format!(
+                r#"SELECT {what} FROM "{schema}".log"#
+            )))
+            .fetch_one(&pool)
+            .await
+            .unwrap() as usize
+        }
+    };
+    let setup = format!("{} {stream}", db.schema());
+    let first = Process::start(&setup);
+
+    // The relay's side: each key's messages in order, 500 per send.
+    let mut batch = Vec::new();
+    for seq in 0..PER_KEY {
+        for k in 0..KEYS {
+            let m = NewMessage::new(MessageKind::Integration, "Event", format!("k{k}:{seq}"))
+                .destination(stream.as_str(), "events")
+                .key(format!("k{k}"))
+                .into_message(Timestamp::now())
+                .unwrap();
+            batch.push(m);
+            if batch.len() == 500 {
+                let outcomes = transport.send(&batch).await;
+                assert!(
+                    outcomes.iter().all(|o| *o == Outcome::Delivered),
+                    "{outcomes:?}"
+                );
+                batch.clear();
+            }
+        }
+    }
+    wait_until("a quarter is handled", DEADLINE, || async {
+        count("COUNT(*)").await >= TOTAL / 4
+    })
+    .await;
+    first.sigkill();
+    let killed_at = count("COUNT(*)").await;
+    assert!(killed_at < TOTAL, "killed after everything was handled");
+    let second = tokio::task::spawn_blocking(move || Process::start(&setup))
+        .await
+        .unwrap();
+    wait_until("every message is handled", DEADLINE, || async {
+        count("COUNT(DISTINCT id)").await >= TOTAL
+    })
+    .await;
+    let stats = tokio::task::spawn_blocking(move || second.stop())
+        .await
+        .unwrap();
+    assert_eq!(
+        count("COUNT(*)").await,
+        TOTAL,
+        "each message's effect exactly once (the inbox drops what the killed process had committed)"
+    );
+    assert!(
+        stats.contains("retried=0 dead_lettered=0"),
+        "the kill is not the messages' fault: {stats}"
+    );
+    let mut c: outbox_nats::async_nats::jetstream::consumer::PullConsumer = transport
+        .jetstream()
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .get_consumer("sigkill")
+        .await
+        .unwrap();
+    let info = c.info().await.unwrap();
+    assert_eq!(
+        (info.num_pending, info.num_ack_pending),
+        (0, 0),
+        "nothing left unacknowledged"
+    );
+    let dead = transport
+        .jetstream()
+        .get_stream(format!("{stream}_DEAD"))
+        .await
+        .unwrap()
+        .info()
+        .await
+        .unwrap()
+        .state
+        .messages;
+    assert_eq!(dead, 0, "nothing dead-lettered");
+    println!(
+        "nats sigkill: {TOTAL} messages, {killed_at} handled when the first process was killed, {stats}"
+    );
+    for name in [stream.clone(), format!("{stream}_DEAD")] {
+        let _ = transport.jetstream().delete_stream(&name).await;
+    }
+}
