@@ -9,12 +9,11 @@
 //! `OUTBOX_NATS_SIGKILL_CHILD` set it is one consumer process, until its
 //! stdin closes (then it prints its stats) — or until it is killed.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
 use outbox_api::receive::{HandlerFuture, Received, handler_fn};
-use outbox_api::testing::wait_until;
+use outbox_api::testing::{ChildProcess, until_stdin_closes, wait_until};
 use outbox_api::{HandlerError, MessageKind, NewMessage, Outcome, Timestamp, Transport};
 use outbox_nats::testing::{nats_url, unique_name};
 use outbox_nats::{NatsConfig, NatsConsumer, NatsTransport, StreamSpec};
@@ -90,81 +89,13 @@ async fn child(setup: &str) {
     println!("ready");
     std::io::stdout().flush().unwrap();
     // Until the parent closes stdin (a graceful stop) — or kills us.
-    tokio::task::spawn_blocking(|| {
-        let mut line = String::new();
-        while std::io::stdin()
-            .read_line(&mut line)
-            .map(|n| n > 0)
-            .unwrap_or(false)
-        {
-            line.clear();
-        }
-    })
-    .await
-    .unwrap();
+    until_stdin_closes().await;
     consumer.shutdown().await;
     let s = consumer.stats();
     println!(
         "stats retried={} dead_lettered={} deferred={}",
         s.retried, s.dead_lettered, s.deferred
     );
-}
-
-/// A consumer process, and its output lines.
-struct Process {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl Process {
-    fn start(setup: &str) -> Process {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(CHILD, setup)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start a consumer process");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let p = Process { child, lines };
-        p.wait_line("ready");
-        p
-    }
-
-    /// Waits (blocking, at most [`DEADLINE`]) for a line starting with `want`.
-    fn wait_line(&self, want: &str) -> String {
-        let until = Instant::now() + DEADLINE;
-        loop {
-            let left = until.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.starts_with(want) => return line,
-                Ok(_) => {}
-                Err(e) => panic!("consumer process: no `{want}` within {DEADLINE:?} ({e})"),
-            }
-        }
-    }
-
-    fn sigkill(mut self) {
-        self.child.kill().expect("SIGKILL"); // SIGKILL on Unix
-        self.child.wait().unwrap();
-    }
-
-    /// Stops it gracefully; its stats line.
-    fn stop(mut self) -> String {
-        drop(self.child.stdin.take()); // EOF: shut down gracefully
-        let stats = self.wait_line("stats");
-        let status = self.child.wait().unwrap();
-        assert!(status.success(), "consumer process ended with {status}");
-        stats
-    }
 }
 
 async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
@@ -201,7 +132,7 @@ async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
         }
     };
     let setup = format!("{} {stream}", db.schema());
-    let first = Process::start(&setup);
+    let first = ChildProcess::start(&[(CHILD, &setup)], "ready", DEADLINE);
 
     // The relay's side: each key's messages in order, 500 per send.
     let mut batch = Vec::new();
@@ -230,14 +161,16 @@ async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
     first.sigkill();
     let killed_at = count("COUNT(*)").await;
     assert!(killed_at < TOTAL, "killed after everything was handled");
-    let second = tokio::task::spawn_blocking(move || Process::start(&setup))
-        .await
-        .unwrap();
+    let second = tokio::task::spawn_blocking(move || {
+        ChildProcess::start(&[(CHILD, &setup)], "ready", DEADLINE)
+    })
+    .await
+    .unwrap();
     wait_until("every message is handled", DEADLINE, || async {
         count("COUNT(DISTINCT id)").await >= TOTAL
     })
     .await;
-    let stats = tokio::task::spawn_blocking(move || second.stop())
+    let stats = tokio::task::spawn_blocking(move || second.stop_saying(|l| l.starts_with("stats")))
         .await
         .unwrap();
     assert_eq!(

@@ -10,11 +10,10 @@
 //! killed.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::Write;
 use std::time::{Duration, Instant};
 
-use outbox_api::testing::wait_until;
+use outbox_api::testing::{ChildProcess, until_stdin_closes, wait_until};
 use outbox_api::{HandlerError, Message, MessageKind, NewMessage, Outcome, Timestamp, Transport};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::{self, PgConnection, postgres::PgPoolOptions};
@@ -133,89 +132,38 @@ async fn child(replica: u16) {
         }
     });
     // Until the parent closes stdin (a graceful stop) — or kills us.
-    tokio::task::spawn_blocking(|| {
-        let mut line = String::new();
-        while std::io::stdin()
-            .read_line(&mut line)
-            .map(|n| n > 0)
-            .unwrap_or(false)
-        {
-            line.clear();
-        }
-    })
-    .await
-    .unwrap();
+    until_stdin_closes().await;
     consumer.shutdown().await;
 }
 
-/// A running child process, and its output lines.
-struct Replica {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
+/// A consumer process: replica `replica` of [`REPLICAS`].
+struct Replica(ChildProcess);
 
 impl Replica {
     fn start(replica: u16, schema: &str, prefix: &str) -> Replica {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(CHILD, replica.to_string())
-            .env("OUTBOX_SIGKILL_SCHEMA", schema)
-            .env("OUTBOX_SIGKILL_PREFIX", prefix)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("start a consumer process");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, lines) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        let mut r = Replica { child, lines };
-        r.wait_line("ready");
-        r
-    }
-
-    /// Waits (blocking, at most [`DEADLINE`]) for the line `want`.
-    fn wait_line(&mut self, want: &str) {
-        let until = Instant::now() + DEADLINE;
-        loop {
-            let left = until.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) if line.trim() == want => return,
-                Ok(_) => {}
-                Err(e) => panic!("consumer process: no `{want}` within {DEADLINE:?} ({e})"),
-            }
-        }
+        Replica(ChildProcess::start(
+            &[
+                (CHILD, &replica.to_string()),
+                ("OUTBOX_SIGKILL_SCHEMA", schema),
+                ("OUTBOX_SIGKILL_PREFIX", prefix),
+            ],
+            "ready",
+            DEADLINE,
+        ))
     }
 
     /// Waits until the child says it consumes exactly `queues`.
     fn wait_consuming(&mut self, queues: &[String]) {
-        self.wait_line(&format!("consuming {}", queues.join(",")));
+        let want = format!("consuming {}", queues.join(","));
+        self.0.wait_line(|line| line.trim() == want);
     }
 
-    fn sigkill(mut self) {
-        self.child.kill().expect("SIGKILL"); // SIGKILL on Unix
-        self.child.wait().unwrap();
+    fn sigkill(self) {
+        self.0.sigkill();
     }
 
-    fn stop(mut self) {
-        drop(self.child.stdin.take()); // EOF: shut down gracefully
-        let until = Instant::now() + DEADLINE;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "consumer process ended with {status}");
-                return;
-            }
-            if Instant::now() > until {
-                let _ = self.child.kill();
-                panic!("consumer process did not stop within {DEADLINE:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+    fn stop(self) {
+        self.0.stop();
     }
 }
 

@@ -9,6 +9,7 @@
 //! [`transport_conformance_tests!`](crate::transport_conformance_tests)) in
 //! its tests, which expands to one `#[test]` per clause.
 
+pub mod child;
 pub mod consumer;
 pub mod inbox;
 pub mod metrics;
@@ -17,6 +18,7 @@ pub mod services;
 pub mod store;
 pub mod transport;
 
+pub use child::{ChildProcess, until_stdin_closes};
 pub use consumer::{ConsumerSettings, ConsumerUnderTest};
 pub use inbox::InboxUnderTest;
 pub use metrics::TestRecorder;
