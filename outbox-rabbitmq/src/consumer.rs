@@ -3,8 +3,7 @@
 //! at-least-once delivery gives exactly-once effects.
 //!
 //! One concern per module: [`builder`] (settings, checks, spawn),
-//! [`inbox`] (the store's inbox bound to the handler, one type for every
-//! store), [`received`] (decoding a delivery), [`session`] (connect,
+//! [`received`] (decoding a delivery), [`session`] (connect,
 //! consume, reconnect), [`settle`] (run the inbox transaction, then
 //! acknowledge, retry or dead-letter), [`handle`] (the running consumer's
 //! handle). What every broker's consumer shares — the decoded message, the
@@ -42,7 +41,6 @@
 
 mod builder;
 mod handle;
-mod inbox;
 mod received;
 mod session;
 mod settle;

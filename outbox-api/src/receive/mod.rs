@@ -201,11 +201,13 @@ pub fn backoff(min: Duration, max: Duration, failures: u32) -> Duration {
     base.mul_f64(0.8 + 0.4 * fastrand::f64())
 }
 
+mod bound;
 mod lanes;
 mod purge;
 mod settle;
 mod stats;
 
+pub use bound::{BoundInbox, Receiver, bind};
 pub use lanes::{Held, Lane, Pending};
 pub use purge::{INBOX_PURGE_BATCH, purge_inbox_loop};
 pub use settle::{Attempts, RetryRules, Settle};

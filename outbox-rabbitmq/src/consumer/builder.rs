@@ -13,10 +13,10 @@ use super::InboxHandler;
 #[cfg(doc)]
 use super::Received;
 use super::handle::{ConsumerHandle, Shared};
-use super::inbox::{self, Inbox};
 use super::session::{Worker, owner_marker};
 use crate::Partitions;
 use crate::config::{MAX_SHORT_STRING, RabbitConfig};
+use outbox_api::receive::{BoundInbox, bind};
 
 /// Consumes a RabbitMQ queue into any store's
 /// [`Inbox`](outbox_api::Inbox) (`SqliteInbox`, `PgInbox`, `MemoryInbox`).
@@ -379,10 +379,10 @@ impl RabbitConsumerBuilder {
         inbox: I,
         handler: impl InboxHandler<I::Conn>,
     ) -> Result<ConsumerHandle> {
-        self.spawn_on(inbox::bind(inbox, Arc::new(handler))).await
+        self.spawn_on(bind(inbox, Arc::new(handler))).await
     }
 
-    async fn spawn_on(self, inbox: Inbox) -> Result<ConsumerHandle> {
+    async fn spawn_on(self, inbox: BoundInbox) -> Result<ConsumerHandle> {
         self.validate()?;
         let uri = self.config.parse_url()?;
         let counters = Arc::new(Counters::default());

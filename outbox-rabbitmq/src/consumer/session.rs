@@ -20,8 +20,8 @@ use outbox_api::receive::{Attempts, Held, backoff, bump};
 
 use super::RabbitConsumerBuilder;
 use super::handle::Shared;
-use super::inbox::Inbox;
 use crate::transport::connect_error;
+use outbox_api::receive::BoundInbox;
 
 /// An open connection consuming the queue.
 pub(super) struct Session {
@@ -41,7 +41,7 @@ pub(super) struct Worker {
     pub(super) marker: Option<String>,
     pub(super) uri: AMQPUri,
     /// The inbox (and the application's handler on its connection).
-    pub(super) inbox: Inbox,
+    pub(super) inbox: BoundInbox,
     /// Handler failures so far, by message id.
     pub(super) attempts: Attempts,
     pub(super) shared: Arc<Shared>,

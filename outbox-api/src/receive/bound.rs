@@ -1,31 +1,28 @@
-//! The inbox behind a consumer: any store's [`outbox_api::Inbox`] bound to
-//! the application's [`InboxHandler`] on that store's connection type, and
-//! erased to one type, so that the consume loop, settling and the purge are
-//! written once for every store.
+//! The inbox behind a consumer: any store's [`Inbox`](crate::Inbox) bound
+//! to the application's [`InboxHandler`] on that store's connection type,
+//! and erased to one type, so that a consumer's loop, settling and purge
+//! are written once for every store.
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::{HandlerError, InboxOutcome, InboxWork, Result, Timestamp};
 use async_trait::async_trait;
-use outbox_api::{HandlerError, InboxOutcome, InboxWork, Result, Timestamp};
 
 use super::{InboxHandler, Received};
 
 /// A store's inbox with the handler that runs in its transactions, one
 /// type for every store.
-pub(super) type Inbox = Arc<dyn Receiver>;
+pub type BoundInbox = Arc<dyn Receiver>;
 
 /// Binds `handler` to `inbox`.
-pub(super) fn bind<I: outbox_api::Inbox>(
-    inbox: I,
-    handler: Arc<dyn InboxHandler<I::Conn>>,
-) -> Inbox {
+pub fn bind<I: crate::Inbox>(inbox: I, handler: Arc<dyn InboxHandler<I::Conn>>) -> BoundInbox {
     Arc::new(Bound { inbox, handler })
 }
 
 /// What the consume loop, settling and the purge ask of the bound inbox.
 #[async_trait]
-pub(super) trait Receiver: Send + Sync {
+pub trait Receiver: Send + Sync {
     /// The inbox table, for logs.
     fn table(&self) -> String;
     /// The inbox transaction around the handler for `received`.
@@ -39,7 +36,7 @@ pub(super) trait Receiver: Send + Sync {
     async fn purge(&self, before: Timestamp, limit: usize) -> Result<u64>;
 }
 
-struct Bound<I: outbox_api::Inbox> {
+struct Bound<I: crate::Inbox> {
     inbox: I,
     handler: Arc<dyn InboxHandler<I::Conn>>,
 }
@@ -58,7 +55,7 @@ impl<C: ?Sized + Send + 'static> InboxWork<C> for Work<'_, C> {
 }
 
 #[async_trait]
-impl<I: outbox_api::Inbox> Receiver for Bound<I> {
+impl<I: crate::Inbox> Receiver for Bound<I> {
     fn table(&self) -> String {
         self.inbox.name()
     }

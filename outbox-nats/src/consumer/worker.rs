@@ -1,0 +1,329 @@
+//! The consume loop: pull, run each message through the inbox in its
+//! key's lane, settle it (acknowledge, retry in place, dead-letter), keep
+//! held messages in progress, pull afresh after a reconnect.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::message::{Acker, PublishMessage};
+use async_nats::jetstream::{self, AckKind};
+use async_nats::{HeaderName, HeaderValue};
+use futures_util::StreamExt;
+use outbox_api::MessageId;
+use outbox_api::receive::{
+    Attempts, BoundInbox, Counters, Held, Lane, Pending, Received, Settle, backoff, bump,
+};
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use super::decode::{decode, text_headers};
+use super::{
+    DEAD_ATTEMPTS_HEADER, DEAD_CONSUMER_HEADER, DEAD_REASON_HEADER, DEAD_SUBJECT_HEADER,
+    NatsConsumerBuilder,
+};
+
+pub(super) struct Worker {
+    pub(super) settings: NatsConsumerBuilder,
+    pub(super) js: jetstream::Context,
+    pub(super) inbox: BoundInbox,
+    pub(super) held: Held<Acker>,
+    pub(super) attempts: Attempts,
+    pub(super) counters: Arc<Counters>,
+    /// Pulling over a live connection right now.
+    pub(super) connected: Arc<AtomicBool>,
+    pub(super) stop: watch::Receiver<bool>,
+}
+
+impl Worker {
+    pub(super) async fn run(mut self, consumer: jetstream::consumer::PullConsumer) {
+        let mut failures = 0u32;
+        let mut opened_before = false;
+        let mut progress = tokio::time::interval(self.settings.ack_wait / 2);
+        progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut connection_check = tokio::time::interval(Duration::from_millis(100));
+        connection_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        'outer: while !*self.stop.borrow() {
+            let mut messages = match consumer
+                .stream()
+                .max_messages_per_batch(self.settings.max_ack_pending.min(1000))
+                .heartbeat(Duration::from_secs(5))
+                .messages()
+                .await
+            {
+                Ok(m) => {
+                    self.connected.store(true, Ordering::SeqCst);
+                    if opened_before {
+                        bump(&self.counters.reconnects);
+                    }
+                    opened_before = true;
+                    failures = 0;
+                    m
+                }
+                Err(e) => {
+                    self.connected.store(false, Ordering::SeqCst);
+                    failures = failures.saturating_add(1);
+                    let delay =
+                        backoff(Duration::from_millis(50), Duration::from_secs(5), failures);
+                    tracing::warn!(
+                        error = %self.settings.config.scrub(&e.to_string()),
+                        consumer = %self.settings.durable,
+                        retry_in_ms = delay.as_millis() as u64,
+                        "cannot pull from JetStream; retrying"
+                    );
+                    tokio::select! {
+                        _ = tokio::time::sleep(delay) => {}
+                        _ = self.stop.changed() => {}
+                    }
+                    continue;
+                }
+            };
+            let client = self.js.client();
+            let mut lost = false;
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = self.stop.changed() => break 'outer,
+                    _ = progress.tick() => self.keep_held_in_progress().await,
+                    // After a reconnect, pull afresh: pull requests made on
+                    // the lost connection are not answered any more.
+                    _ = connection_check.tick() => {
+                        let connected = client.connection_state() == async_nats::connection::State::Connected;
+                        self.connected.store(connected, Ordering::SeqCst);
+                        if !connected {
+                            lost = true;
+                        } else if lost {
+                            tracing::info!(consumer = %self.settings.durable, "NATS connection restored; pulling again");
+                            break;
+                        }
+                    }
+                    Some(lane) = self.held.due() => {
+                        if let Some(head) = self.held.take_head(&lane) {
+                            self.run_lane(lane, head).await;
+                        }
+                    }
+                    next = messages.next() => match next {
+                        Some(Ok(message)) => self.on_message(message).await,
+                        Some(Err(e)) => {
+                            // Heartbeats missed, a reconnect: the stream of
+                            // messages recovers by itself or ends.
+                            tracing::debug!(
+                                error = %self.settings.config.scrub(&e.to_string()),
+                                consumer = %self.settings.durable,
+                                "JetStream pull reported an error"
+                            );
+                        }
+                        None => {
+                            tracing::warn!(consumer = %self.settings.durable, "JetStream pull ended; pulling again");
+                            break;
+                        }
+                    },
+                }
+            }
+        }
+        // Whatever is held goes back to the server, unacknowledged.
+        self.held.clear();
+        self.connected.store(false, Ordering::SeqCst);
+        tracing::info!(consumer = %self.settings.durable, "NATS consumer stopped");
+    }
+
+    /// Tells the server the held messages are being worked on, so that it
+    /// does not deliver them again meanwhile.
+    async fn keep_held_in_progress(&self) {
+        for pending in self.held.deliveries() {
+            let _ = pending.delivery.ack_with(AckKind::Progress).await;
+        }
+    }
+
+    async fn on_message(&mut self, message: jetstream::Message) {
+        let (tag, decoded) = match message.info() {
+            Ok(info) => (
+                info.stream_sequence,
+                decode(&message, info.stream, info.delivered > 1),
+            ),
+            Err(e) => (0, Err(format!("no JetStream metadata: {e}"))),
+        };
+        let (message, acker) = message.split();
+        let received = match decoded {
+            Ok(r) => r,
+            Err(why) => {
+                bump(&self.counters.invalid);
+                tracing::warn!(
+                    subject = %message.subject,
+                    reason = %why,
+                    consumer = %self.settings.durable,
+                    "a message that cannot be handled; dead-lettering it"
+                );
+                let mut received = Received::new(MessageId::new(), message.payload.to_vec());
+                received.routing_key = message.subject.to_string();
+                if let Some(h) = &message.headers {
+                    received.headers = text_headers(h);
+                }
+                self.dead_letter(&acker, &received, &why).await;
+                return;
+            }
+        };
+        let pending = Pending::new(acker, received);
+        let lane = Lane::of(&pending.received, tag);
+        if self.held.holds(&lane) {
+            bump(&self.counters.held_back);
+            self.held.queue_behind(lane, pending);
+            return;
+        }
+        self.run_lane(lane, pending).await;
+    }
+
+    /// Runs `first`, then the messages held behind it in arrival order,
+    /// until the lane is empty or one must wait for a retry.
+    async fn run_lane(&mut self, lane: Lane, first: Pending<Acker>) {
+        let mut next = Some(first);
+        while let Some(pending) = next {
+            if let Some((pending, delay)) = self.try_once(pending).await {
+                self.held.hold(lane, pending, delay);
+                return;
+            }
+            next = self.held.next_behind(&lane);
+            if *self.stop.borrow() {
+                if let Some(pending) = next {
+                    self.held.hold(lane, pending, Duration::ZERO);
+                }
+                return;
+            }
+        }
+    }
+
+    /// One try: the inbox transaction, then settling. `Some` when the
+    /// message waits for a retry in place.
+    async fn try_once(
+        &mut self,
+        mut pending: Pending<Acker>,
+    ) -> Option<(Pending<Acker>, Duration)> {
+        let id = pending.received.id;
+        pending.received.attempt = self.attempts.next_try(id);
+        let received = &pending.received;
+        let span = tracing::info_span!(
+            "outbox.receive",
+            message.id = %id,
+            message.type = received.message_type.as_deref(),
+            message.key = received.key.as_deref(),
+            consumer = %self.settings.durable,
+            subject = %received.routing_key,
+            redelivered = received.redelivered,
+            attempt = received.attempt,
+            outcome = tracing::field::Empty,
+        );
+        outbox_api::trace::continue_trace(&span, received.trace_parent.as_deref());
+        let outcome = self
+            .inbox
+            .receive_once(
+                &self.settings.durable,
+                received,
+                self.settings.handler_timeout,
+            )
+            .instrument(span.clone())
+            .await;
+        let settle = self.settings.rules.settle(&mut pending, outcome);
+        let _enter = span.enter();
+        match &settle {
+            Settle::Ack | Settle::AckDuplicate => {
+                span.record(
+                    "outcome",
+                    if settle == Settle::Ack {
+                        "handled"
+                    } else {
+                        "duplicate"
+                    },
+                );
+                self.attempts.settled(id);
+                if let Err(e) = pending.delivery.ack().await {
+                    // The server delivers it again; the inbox makes that a no-op.
+                    tracing::warn!(error = %e, "acknowledging failed; the message will come again");
+                }
+            }
+            Settle::DeadLetter { error } => {
+                span.record("outcome", "dead-lettered");
+                tracing::error!(%error, attempts = pending.received.attempt, "handler failed on its last attempt; dead-lettering");
+                if !self
+                    .dead_letter(&pending.delivery, &pending.received, error)
+                    .await
+                {
+                    // Not published: keep it and try the dead letter again.
+                    let delay = self.settings.rules.unavailable_backoff.0;
+                    return Some((pending, delay));
+                }
+                self.attempts.settled(id);
+            }
+            Settle::Retry { error, delay } => {
+                span.record("outcome", "failed");
+                self.attempts.failed(id, pending.received.attempt);
+                tracing::warn!(%error, attempts = pending.received.attempt, retry_in_ms = delay.as_millis() as u64,
+                    "handler failed; retrying in place (later messages of its key wait)");
+                let delay = *delay;
+                self.counters.count(&settle);
+                return Some((pending, delay));
+            }
+            Settle::Defer {
+                reason,
+                delay,
+                store,
+            } => {
+                span.record(
+                    "outcome",
+                    if *store {
+                        "store-failed"
+                    } else {
+                        "unavailable"
+                    },
+                );
+                tracing::warn!(%reason, deferrals = pending.deferrals, retry_in_ms = delay.as_millis() as u64,
+                    "not the message's fault (not counted as an attempt); will retry");
+                let delay = *delay;
+                self.counters.count(&settle);
+                return Some((pending, delay));
+            }
+        }
+        self.counters.count(&settle);
+        None
+    }
+
+    /// Publishes `received` to the dead-letter subject (acknowledged by
+    /// JetStream), then terminates the original. `false` when the publish
+    /// failed (the original is left as it is).
+    async fn dead_letter(&self, acker: &Acker, received: &Received, why: &str) -> bool {
+        let mut headers = HeaderMap::new();
+        let mut add = |name: &str, value: &str| {
+            if let (Ok(n), Ok(v)) = (name.parse::<HeaderName>(), value.parse::<HeaderValue>()) {
+                headers.insert(n, v);
+            }
+        };
+        for (name, value) in &received.headers {
+            add(name, value);
+        }
+        let reason: String = why.replace(['\r', '\n'], " ").chars().take(1000).collect();
+        add(DEAD_REASON_HEADER, &reason);
+        add(DEAD_SUBJECT_HEADER, &received.routing_key);
+        add(DEAD_CONSUMER_HEADER, &self.settings.durable);
+        add(DEAD_ATTEMPTS_HEADER, &received.attempt.to_string());
+        let publish = PublishMessage::build()
+            .payload(received.payload.clone().into())
+            .headers(headers);
+        let acked = match self
+            .js
+            .send_publish(self.settings.dead_letter_subject.clone(), publish)
+            .await
+        {
+            Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = acked {
+            tracing::warn!(error = %self.settings.config.scrub(&e), subject = %self.settings.dead_letter_subject,
+                "publishing the dead letter failed; will try again");
+            return false;
+        }
+        if let Err(e) = acker.ack_with(AckKind::Term).await {
+            tracing::warn!(error = %e, "terminating the dead-lettered message failed; it may come again (and be dead-lettered again)");
+        }
+        true
+    }
+}
