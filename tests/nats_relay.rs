@@ -32,6 +32,43 @@ async fn stored(stream: &TestStream) -> Vec<(MessageId, Option<String>)> {
         .collect()
 }
 
+/// Enqueues 300 messages, breaks the transport (`up(false)`) once some are
+/// delivered, enqueues 300 more, waits for the relay to report the
+/// transport down, heals it (`up(true)`), and waits until everything is
+/// processed; returns the ids in enqueue order.
+async fn through_an_outage(
+    store: &MemoryStore,
+    relay: &outbox::RelayHandle,
+    message: impl Fn(usize) -> NewMessage,
+    mut up: impl FnMut(bool),
+) -> Vec<MessageId> {
+    let mut ids = enqueue(store, (0..300).map(&message).collect());
+    wait_until("some deliveries", DEADLINE, || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().pending < 300 }
+    })
+    .await;
+    up(false);
+    ids.extend(enqueue(store, (300..600).map(&message).collect()));
+    wait_until("the relay to see the outage", DEADLINE, || {
+        let relay = relay.relay().clone();
+        async move {
+            matches!(
+                relay.health().await.transport,
+                outbox::TransportHealth::Down(_)
+            )
+        }
+    })
+    .await;
+    up(true);
+    wait_until("every message processed", DEADLINE, || {
+        let store = store.clone();
+        async move { store.stats().await.unwrap().pending == 0 }
+    })
+    .await;
+    ids
+}
+
 /// Every one of `ids` is processed with no attempt counted, and `stream`
 /// stored each exactly once.
 async fn assert_each_stored_once_and_uncounted(
@@ -98,28 +135,8 @@ async fn every_message_arrives_once_in_key_order_through_an_outage_with_no_attem
         .destination(stream.name.as_str(), "orders")
         .key(format!("k{}", n % 7))
     };
-    let mut ids = enqueue(&store, (0..300).map(message).collect());
-    wait_until("some deliveries", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending < 300 }
-    })
-    .await;
-    proxy.cut();
-    ids.extend(enqueue(&store, (300..600).map(message).collect()));
-    wait_until("the relay to see the outage", DEADLINE, || {
-        let relay = relay.relay().clone();
-        async move {
-            matches!(
-                relay.health().await.transport,
-                outbox::TransportHealth::Down(_)
-            )
-        }
-    })
-    .await;
-    proxy.heal();
-    wait_until("every message processed", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending == 0 }
+    let ids = through_an_outage(&store, &relay, message, |healed| {
+        if healed { proxy.heal() } else { proxy.cut() }
     })
     .await;
 
@@ -243,28 +260,12 @@ async fn a_server_killed_and_restarted_mid_run_loses_nothing_and_counts_no_attem
         .destination(name.as_str(), "orders")
         .key(format!("k{}", n % 5))
     };
-    let mut ids = enqueue(&store, (0..300).map(message).collect());
-    wait_until("some deliveries", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending < 300 }
-    })
-    .await;
-    server.kill();
-    ids.extend(enqueue(&store, (300..600).map(message).collect()));
-    wait_until("the relay to see the outage", DEADLINE, || {
-        let relay = relay.relay().clone();
-        async move {
-            matches!(
-                relay.health().await.transport,
-                outbox::TransportHealth::Down(_)
-            )
+    let ids = through_an_outage(&store, &relay, message, |healed| {
+        if healed {
+            server.restart()
+        } else {
+            server.kill()
         }
-    })
-    .await;
-    server.restart();
-    wait_until("every message processed", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending == 0 }
     })
     .await;
     let stream = TestStream {
