@@ -17,6 +17,7 @@ mod health;
 mod inbox;
 mod message;
 mod names;
+pub mod partition;
 mod purge;
 pub mod receive;
 mod retry;

@@ -1,6 +1,7 @@
-//! [`Partitions`]: a key-partitioned set of queues, and the one function
-//! that maps an ordering key to its partition (used by the relay's
-//! transport to route and by tests to check).
+//! [`Partitions`]: a key-partitioned set of queues. The function that maps
+//! an ordering key to its partition is [`outbox_api::partition`]'s, shared
+//! with every other transport (used by the relay's transport to route and
+//! by tests to check).
 //!
 //! The relay publishes a message for a partitioned exchange with routing
 //! key `<routing key>.<partition>`, the partition being
@@ -16,7 +17,7 @@
 use outbox_api::{Error, MessageId, Result};
 
 /// The most partitions a set may have.
-pub const MAX_PARTITIONS: u16 = 1024;
+pub use outbox_api::partition::MAX_PARTITIONS;
 
 /// A set of `count` partition queues named `<prefix>.0` … `<prefix>.<count-1>`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -58,17 +59,15 @@ impl Partitions {
     }
 
     /// The partition of a message with ordering key `key` among `count`
-    /// (keyless messages: see [`of_message`](Self::of_message)).
+    /// ([`outbox_api::partition::of_key`]).
     pub fn of_key(key: &str, count: u16) -> u16 {
-        bucket(key.as_bytes(), count)
+        outbox_api::partition::of_key(key, count)
     }
 
-    /// The partition of a message: by its key, or by its id when it has none.
+    /// The partition of a message: by its key, or by its id when it has none
+    /// ([`outbox_api::partition::of_message`]).
     pub fn of_message(key: Option<&str>, id: MessageId, count: u16) -> u16 {
-        match key {
-            Some(key) => Self::of_key(key, count),
-            None => bucket(id.as_uuid().as_bytes(), count),
-        }
+        outbox_api::partition::of_message(key, id, count)
     }
 
     /// The routing key a message of partition `partition` is published
@@ -79,23 +78,7 @@ impl Partitions {
 }
 
 pub(crate) fn check_count(count: u16) -> Result<()> {
-    if count == 0 || count > MAX_PARTITIONS {
-        return Err(Error::config(
-            "partitions",
-            format!("must be 1 to {MAX_PARTITIONS} (got {count})"),
-        ));
-    }
-    Ok(())
-}
-
-/// FNV-1a (64 bit) of `bytes`, modulo `count`.
-fn bucket(bytes: &[u8], count: u16) -> u16 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        hash ^= u64::from(*b);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    (hash % u64::from(count.max(1))) as u16
+    outbox_api::partition::check_count("partitions", count)
 }
 
 #[cfg(test)]
@@ -103,9 +86,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_hash_is_stable_and_spreads_keys() {
-        // Fixed values: producers and consumers of any version must agree.
-        assert_eq!(bucket(b"", 1000), (0xcbf2_9ce4_8422_2325u64 % 1000) as u16);
+    fn partitions_name_their_queues_and_route_keys_by_the_shared_hash() {
         assert_eq!(
             Partitions::of_key("order-1", 8),
             Partitions::of_key("order-1", 8)
