@@ -174,6 +174,19 @@ impl<D> Held<D> {
             .flat_map(|q| q.head.iter().chain(q.behind.iter()))
     }
 
+    /// Takes every held delivery out (heads first, lane by lane; sort them
+    /// if the broker needs them in its order) and stops the timers: for a
+    /// consumer that gives them back to the broker explicitly.
+    pub fn take_all(&mut self) -> Vec<Pending<D>> {
+        let all = self
+            .lanes
+            .drain()
+            .flat_map(|(_, q)| q.head.into_iter().chain(q.behind))
+            .collect();
+        self.timers = JoinSet::new();
+        all
+    }
+
     /// Forgets everything (the broker gives unacknowledged deliveries back
     /// by itself) and stops the timers.
     pub fn clear(&mut self) {
@@ -239,5 +252,19 @@ mod tests {
         assert_eq!(held.len(), 0);
         assert!(!held.holds(&k));
         assert_eq!(held.due().await, None);
+    }
+
+    #[tokio::test]
+    async fn taking_all_gives_every_held_delivery_and_stops_the_timers() {
+        let mut held = Held::default();
+        let k = Lane::Key("K".into());
+        held.hold(k.clone(), pending(1, Some("K")), Duration::from_secs(60));
+        held.queue_behind(k.clone(), pending(3, Some("K")));
+        held.hold(Lane::Alone(2), pending(2, None), Duration::ZERO);
+        let mut tags: Vec<u64> = held.take_all().into_iter().map(|p| p.delivery).collect();
+        tags.sort_unstable();
+        assert_eq!(tags, vec![1, 2, 3]);
+        assert!(held.is_empty() && !held.holds(&k));
+        assert_eq!(held.due().await, None, "no timer left");
     }
 }

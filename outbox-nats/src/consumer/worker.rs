@@ -24,11 +24,36 @@ use super::{
     NatsConsumerBuilder,
 };
 
+/// What every worker of one consumer shares.
+pub(super) struct Shared {
+    pub(super) settings: NatsConsumerBuilder,
+    pub(super) js: jetstream::Context,
+    pub(super) inbox: BoundInbox,
+    pub(super) counters: Arc<Counters>,
+    pub(super) connected: Arc<AtomicBool>,
+}
+
+impl Shared {
+    /// A worker that runs until `stop` turns true.
+    pub(super) fn worker(&self, stop: watch::Receiver<bool>) -> Worker {
+        Worker {
+            settings: self.settings.clone(),
+            js: self.js.clone(),
+            inbox: self.inbox.clone(),
+            held: Held::default(),
+            attempts: Attempts::default(),
+            counters: self.counters.clone(),
+            connected: self.connected.clone(),
+            stop,
+        }
+    }
+}
+
 pub(super) struct Worker {
     pub(super) settings: NatsConsumerBuilder,
     pub(super) js: jetstream::Context,
     pub(super) inbox: BoundInbox,
-    pub(super) held: Held<Acker>,
+    pub(super) held: Held<Delivery>,
     pub(super) attempts: Attempts,
     pub(super) counters: Arc<Counters>,
     /// Pulling over a live connection right now.
@@ -36,30 +61,52 @@ pub(super) struct Worker {
     pub(super) stop: watch::Receiver<bool>,
 }
 
+/// How long one pull request waits for messages. Short, so that a process
+/// that stops (or dies) has no pull request left at the server soon after:
+/// a partition's next owner relies on it.
+pub(super) const PULL_EXPIRY: Duration = Duration::from_secs(1);
+
+/// A message delivered to this consumer: its stream sequence (the order
+/// it is given back in) and what acknowledges it.
+pub(super) struct Delivery {
+    seq: u64,
+    acker: Acker,
+}
+
 impl Worker {
-    pub(super) async fn run(mut self, consumer: jetstream::consumer::PullConsumer) {
+    /// Consumes until told to stop. Then gives back to the server (`nak`,
+    /// in stream order, so that it delivers them again at once and in that
+    /// order) everything fetched but not settled: the held messages and the
+    /// rest of the pull request in flight. `true` when all of it was given
+    /// back, so that the server holds no message of this consumer waiting
+    /// for `ack_wait`.
+    pub(super) async fn run(mut self, consumer: jetstream::consumer::PullConsumer) -> bool {
         let mut failures = 0u32;
-        let mut opened_before = false;
+        let mut pulled_before = false;
         let mut progress = tokio::time::interval(self.settings.ack_wait / 2);
         progress.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut connection_check = tokio::time::interval(Duration::from_millis(100));
         connection_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let client = self.js.client();
+        let mut lost = false;
+        let mut in_flight = None;
         'outer: while !*self.stop.borrow() {
-            let mut messages = match consumer
-                .stream()
-                .max_messages_per_batch(self.settings.max_ack_pending.min(1000))
-                .heartbeat(Duration::from_secs(5))
+            let mut batch = match consumer
+                .batch()
+                .max_messages(self.settings.max_ack_pending.min(1000))
+                .expires(PULL_EXPIRY)
                 .messages()
                 .await
             {
-                Ok(m) => {
-                    self.connected.store(true, Ordering::SeqCst);
-                    if opened_before {
+                Ok(batch) => {
+                    if failures > 0 || (lost && pulled_before) {
                         bump(&self.counters.reconnects);
                     }
-                    opened_before = true;
+                    pulled_before = true;
                     failures = 0;
-                    m
+                    lost = false;
+                    self.connected.store(true, Ordering::SeqCst);
+                    batch
                 }
                 Err(e) => {
                     self.connected.store(false, Ordering::SeqCst);
@@ -79,15 +126,16 @@ impl Worker {
                     continue;
                 }
             };
-            let client = self.js.client();
-            let mut lost = false;
             loop {
                 tokio::select! {
                     biased;
-                    _ = self.stop.changed() => break 'outer,
+                    _ = self.stop.changed() => {
+                        in_flight = Some(batch);
+                        break 'outer;
+                    }
                     _ = progress.tick() => self.keep_held_in_progress().await,
-                    // After a reconnect, pull afresh: pull requests made on
-                    // the lost connection are not answered any more.
+                    // After a reconnect, pull afresh: a pull request made
+                    // on the lost connection is not answered any more.
                     _ = connection_check.tick() => {
                         let connected = client.connection_state() == async_nats::connection::State::Connected;
                         self.connected.store(connected, Ordering::SeqCst);
@@ -103,36 +151,88 @@ impl Worker {
                             self.run_lane(lane, head).await;
                         }
                     }
-                    next = messages.next() => match next {
+                    next = batch.next() => match next {
                         Some(Ok(message)) => self.on_message(message).await,
                         Some(Err(e)) => {
-                            // Heartbeats missed, a reconnect: the stream of
-                            // messages recovers by itself or ends.
                             tracing::debug!(
                                 error = %self.settings.config.scrub(&e.to_string()),
                                 consumer = %self.settings.durable,
                                 "JetStream pull reported an error"
                             );
                         }
-                        None => {
-                            tracing::warn!(consumer = %self.settings.durable, "JetStream pull ended; pulling again");
-                            break;
-                        }
+                        // The pull request is fulfilled or expired: the next.
+                        None => break,
                     },
                 }
             }
         }
-        // Whatever is held goes back to the server, unacknowledged.
-        self.held.clear();
+        let clean = self.give_back(in_flight, &client).await;
         self.connected.store(false, Ordering::SeqCst);
         tracing::info!(consumer = %self.settings.durable, "NATS consumer stopped");
+        clean
+    }
+
+    /// Gives back (`nak`) the held messages and what the pull request in
+    /// flight still brings, in stream order. `true` when all of it reached
+    /// the server.
+    async fn give_back(
+        &mut self,
+        in_flight: Option<jetstream::consumer::pull::Batch>,
+        client: &async_nats::Client,
+    ) -> bool {
+        let mut back: Vec<Delivery> = self
+            .held
+            .take_all()
+            .into_iter()
+            .map(|p| p.delivery)
+            .collect();
+        let mut clean = true;
+        if let Some(mut batch) = in_flight {
+            // The server answers an expired pull request with a status that
+            // ends the batch; a lost connection does not.
+            let deadline = tokio::time::sleep(PULL_EXPIRY + Duration::from_millis(500));
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    next = batch.next() => match next {
+                        Some(Ok(message)) => {
+                            let seq = message.info().map(|i| i.stream_sequence).unwrap_or(0);
+                            back.push(Delivery { seq, acker: message.split().1 });
+                        }
+                        Some(Err(_)) => {}
+                        None => break,
+                    },
+                    _ = &mut deadline => {
+                        clean = false;
+                        break;
+                    }
+                }
+            }
+        }
+        back.sort_by_key(|d| d.seq);
+        for delivery in &back {
+            if delivery.acker.ack_with(AckKind::Nak(None)).await.is_err() {
+                clean = false;
+            }
+        }
+        if !back.is_empty() {
+            // A server that does not answer cannot have them back.
+            let flushed = tokio::time::timeout(Duration::from_secs(1), client.flush()).await;
+            if !matches!(flushed, Ok(Ok(()))) {
+                clean = false;
+            }
+        }
+        if !back.is_empty() {
+            tracing::debug!(consumer = %self.settings.durable, given_back = back.len(), clean, "gave unsettled messages back to the server");
+        }
+        clean
     }
 
     /// Tells the server the held messages are being worked on, so that it
     /// does not deliver them again meanwhile.
     async fn keep_held_in_progress(&self) {
         for pending in self.held.deliveries() {
-            let _ = pending.delivery.ack_with(AckKind::Progress).await;
+            let _ = pending.delivery.acker.ack_with(AckKind::Progress).await;
         }
     }
 
@@ -145,6 +245,7 @@ impl Worker {
             Err(e) => (0, Err(format!("no JetStream metadata: {e}"))),
         };
         let (message, acker) = message.split();
+        let acker = Delivery { seq: tag, acker };
         let received = match decoded {
             Ok(r) => r,
             Err(why) => {
@@ -176,7 +277,7 @@ impl Worker {
 
     /// Runs `first`, then the messages held behind it in arrival order,
     /// until the lane is empty or one must wait for a retry.
-    async fn run_lane(&mut self, lane: Lane, first: Pending<Acker>) {
+    async fn run_lane(&mut self, lane: Lane, first: Pending<Delivery>) {
         let mut next = Some(first);
         while let Some(pending) = next {
             if let Some((pending, delay)) = self.try_once(pending).await {
@@ -197,8 +298,8 @@ impl Worker {
     /// message waits for a retry in place.
     async fn try_once(
         &mut self,
-        mut pending: Pending<Acker>,
-    ) -> Option<(Pending<Acker>, Duration)> {
+        mut pending: Pending<Delivery>,
+    ) -> Option<(Pending<Delivery>, Duration)> {
         let id = pending.received.id;
         pending.received.attempt = self.attempts.next_try(id);
         let received = &pending.received;
@@ -236,7 +337,7 @@ impl Worker {
                     },
                 );
                 self.attempts.settled(id);
-                if let Err(e) = pending.delivery.ack().await {
+                if let Err(e) = pending.delivery.acker.ack().await {
                     // The server delivers it again; the inbox makes that a no-op.
                     tracing::warn!(error = %e, "acknowledging failed; the message will come again");
                 }
@@ -290,7 +391,7 @@ impl Worker {
     /// Publishes `received` to the dead-letter subject (acknowledged by
     /// JetStream), then terminates the original. `false` when the publish
     /// failed (the original is left as it is).
-    async fn dead_letter(&self, acker: &Acker, received: &Received, why: &str) -> bool {
+    async fn dead_letter(&self, delivery: &Delivery, received: &Received, why: &str) -> bool {
         let mut headers = HeaderMap::new();
         let mut add = |name: &str, value: &str| {
             if let (Ok(n), Ok(v)) = (name.parse::<HeaderName>(), value.parse::<HeaderValue>()) {
@@ -321,7 +422,7 @@ impl Worker {
                 "publishing the dead letter failed; will try again");
             return false;
         }
-        if let Err(e) = acker.ack_with(AckKind::Term).await {
+        if let Err(e) = delivery.acker.ack_with(AckKind::Term).await {
             tracing::warn!(error = %e, "terminating the dead-lettered message failed; it may come again (and be dead-lettered again)");
         }
         true
