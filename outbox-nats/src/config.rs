@@ -39,6 +39,8 @@ pub struct NatsConfig {
     pub(crate) subject_prefix: String,
     pub(crate) subject_fn: Option<SubjectFn>,
     pub(crate) client_name: String,
+    /// Partitioned subject roots and their partition counts.
+    pub(crate) partitioned: std::collections::BTreeMap<String, u16>,
 }
 
 impl NatsConfig {
@@ -61,6 +63,7 @@ impl NatsConfig {
             subject_prefix: "outbox".to_owned(),
             subject_fn: None,
             client_name: "outbox-rs".to_owned(),
+            partitioned: std::collections::BTreeMap::new(),
         }
     }
 
@@ -145,6 +148,21 @@ impl NatsConfig {
         self
     }
 
+    /// Partitions the subjects whose first token is `root` **by ordering
+    /// key** into `partitions` partitions: such a subject gets the token
+    /// `.{partition}` appended, the partition being
+    /// [`outbox_api::partition::of_message`] of the message's key (of its id
+    /// when it has none) — the same hash as the RabbitMQ transport's. A
+    /// [`NatsConsumer::partitioned`](crate::NatsConsumer::partitioned)
+    /// consumes each partition with one process at a time, so a key's
+    /// messages keep their order across consumer processes. Sender and
+    /// consumers must agree on `partitions`; changing it moves keys (drain
+    /// first).
+    pub fn partitioned(mut self, root: impl Into<String>, partitions: u16) -> Self {
+        self.partitioned.insert(root.into(), partitions);
+        self
+    }
+
     /// Picks every message's subject with `f` instead of the default rule
     /// (see [`subject_of`](Self::subject_of)).
     pub fn subject_with(mut self, f: impl Fn(&Message) -> String + Send + Sync + 'static) -> Self {
@@ -184,16 +202,28 @@ impl NatsConfig {
     /// 2. else, with a destination, `{exchange}.{routing_key}` (the
     ///    exchange names the stream's subjects, the routing key the rest;
     ///    an empty exchange gives the routing key alone);
-    /// 3. else `{subject_prefix}.{message_type}`.
+    /// 3. else `{subject_prefix}.{message_type}`;
+    ///
+    /// then, when its first token is a [`partitioned`](Self::partitioned)
+    /// root, `.{partition}` appended.
     pub fn subject_of(&self, m: &Message) -> String {
-        if let Some(f) = &self.subject_fn {
-            return f(m);
-        }
-        match &m.destination {
-            Some(d) if d.exchange.is_empty() => d.routing_key.clone(),
-            Some(d) if d.routing_key.is_empty() => d.exchange.clone(),
-            Some(d) => format!("{}.{}", d.exchange, d.routing_key),
-            None => format!("{}.{}", self.subject_prefix, m.message_type),
+        let subject = if let Some(f) = &self.subject_fn {
+            f(m)
+        } else {
+            match &m.destination {
+                Some(d) if d.exchange.is_empty() => d.routing_key.clone(),
+                Some(d) if d.routing_key.is_empty() => d.exchange.clone(),
+                Some(d) => format!("{}.{}", d.exchange, d.routing_key),
+                None => format!("{}.{}", self.subject_prefix, m.message_type),
+            }
+        };
+        let root = subject.split('.').next().unwrap_or_default();
+        match self.partitioned.get(root) {
+            Some(count) => {
+                let p = outbox_api::partition::of_message(m.key.as_deref(), m.id, *count);
+                format!("{subject}.{p}")
+            }
+            None => subject,
         }
     }
 
@@ -215,6 +245,25 @@ impl NatsConfig {
         if self.subject_fn.is_none() {
             crate::subject::check(&format!("{}.x", self.subject_prefix))
                 .map_err(|why| Error::config("subject_prefix", why))?;
+        }
+        for (root, partitions) in &self.partitioned {
+            if outbox_api::partition::check_count("partitioned", *partitions).is_err() {
+                return Err(Error::config(
+                    "partitioned",
+                    format!(
+                        "`{root}`: partitions must be 1 to {} (got {partitions})",
+                        outbox_api::partition::MAX_PARTITIONS
+                    ),
+                ));
+            }
+            crate::subject::check(&format!("{root}.x"))
+                .map_err(|why| Error::config("partitioned", format!("root `{root}`: {why}")))?;
+            if root.contains('.') {
+                return Err(Error::config(
+                    "partitioned",
+                    format!("root `{root}` must be one subject token (no `.`)"),
+                ));
+            }
         }
         let logins = [
             self.user.is_some(),
@@ -345,6 +394,7 @@ impl fmt::Debug for NatsConfig {
             .field("subject_prefix", &self.subject_prefix)
             .field("subject_with", &self.subject_fn.is_some())
             .field("client_name", &self.client_name)
+            .field("partitioned", &self.partitioned)
             .finish_non_exhaustive()
     }
 }

@@ -11,7 +11,7 @@ use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, pull};
 #[cfg(doc)]
 use outbox_api::receive::Received;
 use outbox_api::receive::{
-    Attempts, ConsumerStats, Counters, Held, InboxHandler, RetryRules, bind, purge_inbox_loop,
+    ConsumerStats, Counters, InboxHandler, RetryRules, bind, purge_inbox_loop,
 };
 use outbox_api::{Error, Result};
 use tokio::sync::watch;
@@ -75,7 +75,41 @@ impl NatsConsumer {
             handler_timeout: Duration::from_secs(30),
             inbox_retention: Some(Duration::from_secs(7 * 24 * 3600)),
             inbox_purge_interval: Duration::from_secs(60),
+            partitions: None,
+            replica: (0, 1),
+            takeover_check: Duration::from_secs(1),
+            ownership_bucket: "outbox-owners".to_owned(),
         }
+    }
+
+    /// A consumer of the `partitions` partitions of the subjects `filter`
+    /// matches (a transport configured with
+    /// [`NatsConfig::partitioned`] appends the partition as the subject's
+    /// last token; `filter` is the subjects without it, e.g. `shop.*` for
+    /// `shop.OrderPlaced.3`): one durable pull consumer `{durable}-{i}` per
+    /// partition `i`, filtered on `{filter}.{i}`, and **one process at a
+    /// time consuming each partition**, so that a key's messages keep their
+    /// order across processes.
+    ///
+    /// Run several processes with [`replica`](NatsConsumerBuilder::replica)
+    /// `(index, replicas)`: a replica owns the partitions `i` with `i %
+    /// replicas == index`, takes over the others while their owner is
+    /// absent, and hands them back when it returns. Ownership is a lease in
+    /// the JetStream key-value bucket
+    /// [`ownership_bucket`](NatsConsumerBuilder::ownership_bucket), renewed
+    /// every [`takeover_check`](NatsConsumerBuilder::takeover_check); see
+    /// `docs/decisions.md`, "NATS: per-key order across consumer
+    /// processes", for how a takeover keeps the order.
+    pub fn partitioned(
+        config: NatsConfig,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+        filter: impl Into<String>,
+        partitions: u16,
+    ) -> NatsConsumerBuilder {
+        let mut builder = Self::builder(config, stream, durable);
+        builder.partitions = Some((filter.into(), partitions));
+        builder
     }
 }
 
@@ -93,6 +127,12 @@ pub struct NatsConsumerBuilder {
     dead_letter_subject: String,
     inbox_retention: Option<Duration>,
     inbox_purge_interval: Duration,
+    /// The subjects' filter without the partition token, and the count.
+    partitions: Option<(String, u16)>,
+    /// This replica's index and how many there are.
+    replica: (u16, u16),
+    takeover_check: Duration,
+    ownership_bucket: String,
 }
 
 impl NatsConsumerBuilder {
@@ -171,6 +211,32 @@ impl NatsConsumerBuilder {
         self
     }
 
+    /// Partitioned consumers ([`NatsConsumer::partitioned`]): this process
+    /// is replica `index` of `replicas` (default 0 of 1, which owns every
+    /// partition) and owns the partitions `i` with `i % replicas == index`.
+    pub fn replica(mut self, index: u16, replicas: u16) -> Self {
+        self.replica = (index, replicas);
+        self
+    }
+
+    /// Partitioned consumers: how often ownership leases are renewed and
+    /// absent owners looked for (default 1 s, ±20 % jitter). A lease lasts
+    /// three times as long: a dead owner's partitions are taken over after
+    /// about that, plus `ack_wait` when it left messages unacknowledged.
+    /// Every replica must use the same value.
+    pub fn takeover_check(mut self, every: Duration) -> Self {
+        self.takeover_check = every;
+        self
+    }
+
+    /// Partitioned consumers: the key-value bucket that holds the
+    /// ownership leases (default `outbox-owners`; created on first use,
+    /// keys `owner.{durable}.{partition}` and `member.{durable}.{replica}`).
+    pub fn ownership_bucket(mut self, bucket: impl Into<String>) -> Self {
+        self.ownership_bucket = bucket.into();
+        self
+    }
+
     /// Checks the settings; a `Config` error names the one that is wrong.
     pub fn validate(&self) -> Result<()> {
         self.config.validate()?;
@@ -208,7 +274,7 @@ impl NatsConsumerBuilder {
         }
         crate::subject::check(&self.dead_letter_subject)
             .map_err(|why| Error::config("dead_letter_subject", why))?;
-        Ok(())
+        partitions::validate(self)
     }
 
     /// Connects, creates the durable consumer if it does not exist (binds
@@ -261,32 +327,50 @@ impl NatsConsumerBuilder {
                 )));
             }
         }
-        let consumer: jetstream::consumer::PullConsumer = stream
-            .get_or_create_consumer(
-                &self.durable,
-                pull::Config {
-                    durable_name: Some(self.durable.clone()),
-                    filter_subject: self.filter_subject.clone().unwrap_or_default(),
-                    ack_policy: AckPolicy::Explicit,
-                    deliver_policy: DeliverPolicy::All,
-                    ack_wait: self.ack_wait,
-                    max_ack_pending: self.max_ack_pending as i64,
-                    max_deliver: -1,
-                    ..Default::default()
-                },
-            )
-            .await
-            .map_err(|e| {
-                Error::unavailable(format!(
-                    "creating consumer `{}` on stream `{}`: {}",
-                    self.durable,
-                    self.stream,
-                    scrub(&e)
-                ))
-            })?;
+        // One durable consumer, or one per partition.
+        let names: Vec<(String, String)> = match &self.partitions {
+            Some((filter, count)) => (0..*count)
+                .map(|i| (format!("{}-{i}", self.durable), format!("{filter}.{i}")))
+                .collect(),
+            None => vec![(
+                self.durable.clone(),
+                self.filter_subject.clone().unwrap_or_default(),
+            )],
+        };
+        let mut consumers: Vec<jetstream::consumer::PullConsumer> = Vec::new();
+        for (name, filter_subject) in names {
+            let consumer = stream
+                .get_or_create_consumer(
+                    &name,
+                    pull::Config {
+                        durable_name: Some(name.clone()),
+                        filter_subject,
+                        ack_policy: AckPolicy::Explicit,
+                        deliver_policy: DeliverPolicy::All,
+                        ack_wait: self.ack_wait,
+                        max_ack_pending: self.max_ack_pending as i64,
+                        max_deliver: -1,
+                        ..Default::default()
+                    },
+                )
+                .await
+                .map_err(|e| {
+                    Error::unavailable(format!(
+                        "creating consumer `{name}` on stream `{}`: {}",
+                        self.stream,
+                        scrub(&e)
+                    ))
+                })?;
+            consumers.push(consumer);
+        }
+        let ownership = match self.partitions {
+            Some(_) => Some(partitions::Ownership::open(&js, &self).await?),
+            None => None,
+        };
         let counters = Arc::new(Counters::default());
         let running = Arc::new(AtomicBool::new(true));
         let connected = Arc::new(AtomicBool::new(true));
+        let owned = Arc::new(std::sync::Mutex::new(std::collections::BTreeSet::new()));
         let (stop, stopped) = watch::channel(false);
         let inbox = bind(inbox, Arc::new(handler));
         let purger = self.inbox_retention.map(|retention| {
@@ -306,21 +390,29 @@ impl NatsConsumerBuilder {
             stream = %self.stream,
             consumer = %self.durable,
             inbox = %inbox.table(),
+            partitions = self.partitions.as_ref().map(|(_, n)| *n),
             "consuming from NATS JetStream"
         );
-        let worker = Worker {
+        let shared = Shared {
             settings: self,
             js,
             inbox,
-            held: Held::default(),
-            attempts: Attempts::default(),
             counters: counters.clone(),
             connected: connected.clone(),
-            stop: stopped,
         };
         let flag = running.clone();
+        let owning = owned.clone();
         let task = tokio::spawn(async move {
-            worker.run(consumer).await;
+            match ownership {
+                Some(ownership) => {
+                    partitions::run(shared, consumers, ownership, stopped, owning).await;
+                }
+                None => {
+                    if let Some(consumer) = consumers.pop() {
+                        let _ = shared.worker(stopped).run(consumer).await;
+                    }
+                }
+            }
             flag.store(false, Ordering::SeqCst);
         });
         Ok(NatsConsumerHandle {
@@ -330,6 +422,7 @@ impl NatsConsumerBuilder {
             counters,
             running,
             connected,
+            owned,
         })
     }
 }
@@ -344,9 +437,19 @@ pub struct NatsConsumerHandle {
     counters: Arc<Counters>,
     running: Arc<AtomicBool>,
     connected: Arc<AtomicBool>,
+    owned: Arc<std::sync::Mutex<std::collections::BTreeSet<u16>>>,
 }
 
 impl NatsConsumerHandle {
+    /// The partitions this process consumes right now, in order (empty
+    /// for a consumer that is not [partitioned](NatsConsumer::partitioned)).
+    pub fn partitions(&self) -> Vec<u16> {
+        self.owned
+            .lock()
+            .map(|owned| owned.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
     /// Whether it is connected and pulling right now.
     pub fn is_connected(&self) -> bool {
         self.is_running() && self.connected.load(Ordering::SeqCst)
@@ -354,8 +457,10 @@ impl NatsConsumerHandle {
 
     /// Stops consuming: the message in flight finishes (committed and
     /// acknowledged, or rolled back); messages fetched but not started, or
-    /// held for a retry, are left unacknowledged for the server to deliver
-    /// again. Waits until that is done.
+    /// held for a retry, are given back to the server (`nak`, in stream
+    /// order), which delivers them again at once — to another process of
+    /// the same durable consumer, say. Waits until that is done (at most
+    /// about a second more than the message in flight).
     pub async fn shutdown(&self) {
         self.stop.send_replace(true);
         for task in [
@@ -389,6 +494,7 @@ impl Drop for NatsConsumerHandle {
 }
 
 mod decode;
+mod partitions;
 mod worker;
 
-use worker::Worker;
+use worker::Shared;
