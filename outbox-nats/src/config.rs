@@ -148,8 +148,10 @@ impl NatsConfig {
         self
     }
 
-    /// Partitions the subjects whose first token is `root` **by ordering
-    /// key** into `partitions` partitions: such a subject gets the token
+    /// Partitions the subjects that are `root` or begin with `root.` (one
+    /// or more tokens, e.g. `shop` or `shop.warehouse`; the longest
+    /// matching root counts) **by ordering key** into `partitions`
+    /// partitions: such a subject gets the token
     /// `.{partition}` appended, the partition being
     /// [`outbox_api::partition::of_message`] of the message's key (of its id
     /// when it has none) — the same hash as the RabbitMQ transport's. A
@@ -204,8 +206,8 @@ impl NatsConfig {
     ///    an empty exchange gives the routing key alone);
     /// 3. else `{subject_prefix}.{message_type}`;
     ///
-    /// then, when its first token is a [`partitioned`](Self::partitioned)
-    /// root, `.{partition}` appended.
+    /// then, under a [`partitioned`](Self::partitioned) root,
+    /// `.{partition}` appended.
     pub fn subject_of(&self, m: &Message) -> String {
         let subject = if let Some(f) = &self.subject_fn {
             f(m)
@@ -217,9 +219,17 @@ impl NatsConfig {
                 None => format!("{}.{}", self.subject_prefix, m.message_type),
             }
         };
-        let root = subject.split('.').next().unwrap_or_default();
-        match self.partitioned.get(root) {
-            Some(count) => {
+        let root = self
+            .partitioned
+            .iter()
+            .filter(|(root, _)| {
+                subject
+                    .strip_prefix(root.as_str())
+                    .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
+            })
+            .max_by_key(|(root, _)| root.len());
+        match root {
+            Some((_, count)) => {
                 let p = outbox_api::partition::of_message(m.key.as_deref(), m.id, *count);
                 format!("{subject}.{p}")
             }
@@ -256,14 +266,8 @@ impl NatsConfig {
                     ),
                 ));
             }
-            crate::subject::check(&format!("{root}.x"))
+            crate::subject::check(root)
                 .map_err(|why| Error::config("partitioned", format!("root `{root}`: {why}")))?;
-            if root.contains('.') {
-                return Err(Error::config(
-                    "partitioned",
-                    format!("root `{root}` must be one subject token (no `.`)"),
-                ));
-            }
         }
         let logins = [
             self.user.is_some(),
@@ -447,6 +451,44 @@ mod tests {
             .unwrap_err();
         assert!(e.to_string().contains("at most one"), "{e}");
         NatsConfig::new("nats://127.0.0.1:4222").validate().unwrap();
+    }
+
+    #[test]
+    fn partitioned_subjects_get_the_keys_partition_under_the_longest_root() {
+        let c = NatsConfig::new("nats://h")
+            .partitioned("shop", 4)
+            .partitioned("shop.warehouse", 8);
+        let m = |dest: (&str, &str), key: Option<&str>| {
+            let mut m = outbox_api::NewMessage::new(
+                outbox_api::MessageKind::Integration,
+                "T",
+                b"{}".to_vec(),
+            )
+            .destination(dest.0, dest.1);
+            if let Some(key) = key {
+                m = m.key(key);
+            }
+            m.into_message(outbox_api::Timestamp::now()).unwrap()
+        };
+        let p8 = outbox_api::partition::of_key("order-1", 8);
+        let p4 = outbox_api::partition::of_key("order-1", 4);
+        assert_eq!(
+            c.subject_of(&m(("shop.warehouse", "OrderPlaced"), Some("order-1"))),
+            format!("shop.warehouse.OrderPlaced.{p8}")
+        );
+        assert_eq!(
+            c.subject_of(&m(("shop", "Other"), Some("order-1"))),
+            format!("shop.Other.{p4}")
+        );
+        // Not under a root: unchanged; a root is whole tokens.
+        assert_eq!(
+            c.subject_of(&m(("shopping", "X"), Some("order-1"))),
+            "shopping.X"
+        );
+        // Keyless: by message id, still one of the partitions.
+        let keyless = c.subject_of(&m(("shop", "X"), None));
+        let p: u16 = keyless.rsplit('.').next().unwrap().parse().unwrap();
+        assert!(p < 4, "{keyless}");
     }
 
     #[test]

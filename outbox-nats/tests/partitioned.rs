@@ -353,7 +353,7 @@ async fn bad_partition_settings_are_refused_naming_the_field() {
         .unwrap_err();
     assert!(e.to_string().contains("partitioned"), "{e}");
     let e = NatsTransport::builder("nats://127.0.0.1:4222")
-        .partitioned("a.b", 4)
+        .partitioned("a.*", 4)
         .validate()
         .unwrap_err();
     assert!(e.to_string().contains("partitioned"), "{e}");

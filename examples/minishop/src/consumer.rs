@@ -23,13 +23,24 @@ impl Consumer {
         }
     }
 
-    /// The queues it consumes now (a partitioned RabbitMQ consumer: the
-    /// partitions it owns, and those it took over).
+    /// The queues it consumes now (a partitioned consumer: the partitions
+    /// it owns, and those it took over).
     pub fn consuming(&self) -> Vec<String> {
         match self {
             Consumer::Rabbit(h) => h.consuming(),
-            Consumer::Nats(h, what) if h.is_connected() => vec![what.clone()],
-            Consumer::Nats(..) => Vec::new(),
+            Consumer::Nats(h, what) => {
+                let partitions = h.partitions();
+                if !partitions.is_empty() {
+                    partitions
+                        .iter()
+                        .map(|p| format!("partition {p}"))
+                        .collect()
+                } else if h.is_connected() {
+                    vec![what.clone()]
+                } else {
+                    Vec::new()
+                }
+            }
         }
     }
 

@@ -20,10 +20,11 @@
 //! in-process bus by default, through RabbitMQ with `--amqp URL`, or
 //! through NATS JetStream with `--nats URL`.
 //!
-//! With RabbitMQ and PostgreSQL the modules can also run as separate
-//! processes: one `--role ordering` and any number of `--role warehouse
-//! --replica I --replicas N`, sharing the warehouse's schema and consuming
-//! `OrderPlaced` from key-partitioned queues ([`replica`]).
+//! With PostgreSQL and a broker (RabbitMQ or NATS) the modules can also
+//! run as separate processes: one `--role ordering` and any number of
+//! `--role warehouse --replica I --replicas N`, sharing the warehouse's
+//! schema and consuming `OrderPlaced` from key-partitioned queues or
+//! subjects ([`replica`]).
 //!
 //! ```text
 //! cargo run --release -p minishop -- --orders 200         # load run + summary
@@ -35,6 +36,7 @@
 //! minishop --amqp URL --postgres URL --role warehouse --replica 0 --replicas 2
 //! minishop --amqp URL --postgres URL --role warehouse --replica 1 --replicas 2
 //! minishop --amqp URL --postgres URL --role ordering --orders 500
+//! # the same over NATS: --nats nats://127.0.0.1:4222 instead of --amqp URL
 //! ```
 
 mod amqp;
@@ -111,8 +113,7 @@ struct Args {
     amqp: Option<String>,
 
     /// Carry integration messages through NATS JetStream at URL instead
-    /// of the in-process bus, e.g. nats://127.0.0.1:4222 (one process:
-    /// --role all).
+    /// of the in-process bus, e.g. nats://127.0.0.1:4222.
     #[arg(
         long,
         value_name = "URL",
@@ -122,21 +123,22 @@ struct Args {
     )]
     nats: Option<String>,
 
-    /// With --amqp and/or --postgres: use queue and exchange names and
-    /// PostgreSQL schemas unique to this run (deleted at exit), so that
-    /// parallel runs do not share them.
+    /// With --amqp, --nats and/or --postgres: use queue, exchange and
+    /// stream names and PostgreSQL schemas unique to this run (deleted at
+    /// exit), so that parallel runs do not share them.
     #[arg(long, conflicts_with = "run")]
     isolated: bool,
 
-    /// With --amqp and/or --postgres: suffix the queue, exchange and
-    /// schema names with this id (letters and digits), so that the
+    /// With --amqp, --nats and/or --postgres: suffix the queue, exchange,
+    /// stream and schema names with this id (letters and digits), so that the
     /// processes of one run share them and other runs do not. Nothing is
     /// deleted at exit.
     #[arg(long, value_name = "ID", value_parser = parse_run_id)]
     run: Option<String>,
 
-    /// Which modules this process runs: `all`, or — with --amqp and
-    /// --postgres — `ordering` or `warehouse` in processes of their own.
+    /// Which modules this process runs: `all`, or — with --amqp or --nats,
+    /// and --postgres — `ordering` or `warehouse` in processes of their
+    /// own.
     #[arg(long, value_enum, default_value = "all")]
     role: Role,
 
@@ -151,9 +153,9 @@ struct Args {
     #[arg(long, value_name = "N", default_value_t = 1)]
     replicas: u16,
 
-    /// With --role ordering or warehouse: how many partition queues carry
-    /// `OrderPlaced` (the same in every process of a run; at least
-    /// --replicas, or some replicas only stand by).
+    /// With --role ordering or warehouse: how many partition queues (or
+    /// subjects) carry `OrderPlaced` (the same in every process of a run;
+    /// at least --replicas, or some replicas only stand by).
     #[arg(long, value_name = "P", default_value_t = 6)]
     partitions: u16,
 
@@ -228,9 +230,9 @@ fn check_role(args: &Args) -> Result<(u16, u16), Fail> {
         Role::Ordering => "--role ordering",
         Role::Warehouse => "--role warehouse",
     };
-    if args.amqp.is_none() {
+    if args.amqp.is_none() && args.nats.is_none() {
         return Err(Fail(format!(
-            "{role} needs --amqp URL (or OUTBOX_AMQP_URL): the processes talk through RabbitMQ"
+            "{role} needs --amqp URL (or OUTBOX_AMQP_URL) or --nats URL (or OUTBOX_NATS_URL): the processes talk through a broker"
         )));
     }
     if args.postgres.is_none() {
@@ -319,7 +321,7 @@ async fn run(args: Args) -> Result<(), Fail> {
         (None, Some(url)) => Bus::Nats {
             redacted: nats::check_url(url)?,
             url: url.clone(),
-            names: nats::NatsNames::new(run.as_deref(), args.isolated),
+            names: nats::NatsNames::new(run.as_deref(), args.isolated, partitions),
         },
         (None, None) => Bus::Embedded,
     };
@@ -331,17 +333,9 @@ async fn run(args: Args) -> Result<(), Fail> {
     };
     location.prepare(args.fresh).await?;
     if args.role == Role::Warehouse {
-        let Bus::Amqp {
-            url,
-            redacted,
-            names,
-        } = &bus
-        else {
-            return Err(Fail("--role warehouse needs --amqp URL".into()));
-        };
         // Before the relay and consumer start, so that they record into it.
         let _metrics = http::install_metrics()?;
-        return replica::run(&location, url, redacted, names, replica).await;
+        return replica::run(&location, &bus, replica).await;
     }
     let modules = match args.role {
         Role::Ordering => Modules::OrderingOnly,

@@ -46,7 +46,7 @@ pub enum Modules {
     /// Ordering and Warehouse (`--role all`).
     Both,
     /// Ordering only (`--role ordering`): Warehouse runs in other
-    /// processes (`--role warehouse`), reached through RabbitMQ.
+    /// processes (`--role warehouse`), reached through RabbitMQ or NATS.
     OrderingOnly,
 }
 
@@ -93,13 +93,13 @@ fn spawn(b: outbox::RelayBuilder, name: &str) -> Result<RelayHandle, Fail> {
 impl Shop {
     /// Opens the modules' databases at `location` and starts relays (and
     /// consumers): both modules, or Ordering only (then `bus` must be
-    /// RabbitMQ).
+    /// RabbitMQ or NATS).
     pub async fn start(location: &Location, bus: Bus, modules: Modules) -> Result<Shop, Fail> {
         let ordering = Ordering::open(location).await?;
         let ordering_inbox: Arc<dyn InboxModule> = ordering.clone();
         match bus {
             Bus::Embedded if modules == Modules::OrderingOnly => Err(Fail(
-                "Ordering alone needs RabbitMQ to reach the warehouse processes".into(),
+                "Ordering alone needs RabbitMQ or NATS to reach the warehouse processes".into(),
             )),
             Bus::Embedded => {
                 let warehouse = Warehouse::open(location).await?;
@@ -136,9 +136,6 @@ impl Shop {
                     bus_description: "the embedded bus".into(),
                 })
             }
-            Bus::Nats { .. } if modules == Modules::OrderingOnly => Err(Fail(
-                "Ordering alone needs RabbitMQ to reach the warehouse processes".into(),
-            )),
             Bus::Nats {
                 url,
                 redacted,
@@ -146,22 +143,29 @@ impl Shop {
             } => {
                 let ordering_out = nats::transport(&url, &names, "ordering").await?;
                 nats::declare(&ordering_out, &names).await?;
-                let warehouse = Warehouse::open(location).await?;
-                let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
-                let warehouse_out = nats::transport(&url, &names, "warehouse").await?;
-                let consumers = vec![
-                    nats::consumer(&url, &names, warehouse_inbox).await?,
-                    nats::consumer(&url, &names, ordering_inbox).await?,
-                ];
-                let warehouse_relay = spawn(
-                    relay(
-                        warehouse.database().store(),
-                        "warehouse",
-                        "minishop-warehouse".into(),
-                    )
-                    .transport(warehouse_out),
-                    "warehouse",
-                )?;
+                let mut consumers = Vec::new();
+                let warehouse = match modules {
+                    Modules::Both => {
+                        let warehouse = Warehouse::open(location).await?;
+                        let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
+                        let warehouse_out = nats::transport(&url, &names, "warehouse").await?;
+                        // Partitioned: every partition in this process, a worker each.
+                        consumers
+                            .push(nats::consumer(&url, &names, warehouse_inbox, (0, 1)).await?);
+                        let warehouse_relay = spawn(
+                            relay(
+                                warehouse.database().store(),
+                                "warehouse",
+                                "minishop-warehouse".into(),
+                            )
+                            .transport(warehouse_out),
+                            "warehouse",
+                        )?;
+                        Some((warehouse, warehouse_relay))
+                    }
+                    Modules::OrderingOnly => None,
+                };
+                consumers.push(nats::consumer(&url, &names, ordering_inbox, (0, 1)).await?);
                 let ordering_relay = spawn(
                     relay(
                         ordering.database().store(),
@@ -173,14 +177,25 @@ impl Shop {
                     "ordering",
                 )?;
                 let bus_description = format!(
-                    "NATS JetStream at {redacted} (stream `{}`{})",
+                    "NATS JetStream at {redacted} (stream `{}`{}{})",
                     names.stream,
                     if names.isolated { ", isolated" } else { "" },
+                    match (names.partitions, modules) {
+                        (Some(n), Modules::OrderingOnly) => format!(
+                            "; the warehouse in its own processes, {n} partitions `{}.warehouse.*.<p>`",
+                            names.prefix
+                        ),
+                        (Some(n), Modules::Both) => format!(
+                            "; the warehouse consumes {n} partitions `{}.warehouse.*.<p>`",
+                            names.prefix
+                        ),
+                        (None, _) => String::new(),
+                    }
                 );
                 Ok(Shop {
                     ordering,
                     ordering_relay,
-                    warehouse: Some((warehouse, warehouse_relay)),
+                    warehouse,
                     consumers,
                     amqp: None,
                     nats: Some((ordering_out, names)),

@@ -1,13 +1,15 @@
 //! MiniShop as several processes: one `--role ordering` process placing
 //! orders and three `--role warehouse` replicas answering them, over
-//! RabbitMQ (partitioned `OrderPlaced` queues) and PostgreSQL (one shared
-//! `warehouse` schema). One replica is SIGKILLed mid-run and restarted.
+//! RabbitMQ (partitioned `OrderPlaced` queues) or NATS JetStream
+//! (partitioned subjects) and PostgreSQL (one shared `warehouse` schema).
+//! One replica is SIGKILLed mid-run and restarted.
 //!
-//! Needs RabbitMQ (`OUTBOX_AMQP_URL`, else the local default if it answers)
+//! Needs RabbitMQ (`OUTBOX_AMQP_URL`, else the local default if it answers),
+//! NATS (`OUTBOX_NATS_URL`, else `nats://127.0.0.1:4222` if it answers)
 //! and PostgreSQL (`OUTBOX_PG_URL`, else `postgres://postgres@127.0.0.1:5432/test`
 //! if it answers); otherwise it fails saying how to provide them. The run's
-//! queues, exchanges and schemas carry a suffix of its own (`--run ID`) and
-//! are deleted afterwards.
+//! queues, exchanges, streams and schemas carry a suffix of its own
+//! (`--run ID`) and are deleted afterwards.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -35,6 +37,7 @@ fn minishop(args: &[&str]) -> Child {
     Command::new(BIN)
         .args(args)
         .env_remove("OUTBOX_AMQP_URL")
+        .env_remove("OUTBOX_NATS_URL")
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -157,45 +160,45 @@ impl Drop for Process {
 /// Deletes the run's queues, exchanges and schemas when the test ends,
 /// passed or failed.
 struct Cleanup {
-    amqp: String,
+    broker: Broker,
     pg: String,
     run: String,
 }
 
+/// The broker a run goes through, by URL.
+#[derive(Clone)]
+enum Broker {
+    Amqp(String),
+    Nats(String),
+}
+
+impl Broker {
+    fn flag(&self) -> [&str; 2] {
+        match self {
+            Broker::Amqp(url) => ["--amqp", url],
+            Broker::Nats(url) => ["--nats", url],
+        }
+    }
+}
+
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        use outbox::rabbitmq::lapin::{Connection, ConnectionProperties};
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         let run = &self.run;
         rt.block_on(async {
-            if let Ok(conn) = Connection::connect(&self.amqp, ConnectionProperties::default()).await
-            {
-                if let Ok(ch) = conn.create_channel().await {
-                    let mut queues: Vec<String> = (0..PARTITIONS)
-                        .flat_map(|p| {
-                            let q = format!("minishop.warehouse.run-{run}.{p}");
-                            [format!("{q}.owner"), q]
-                        })
-                        .collect();
-                    for q in ["ordering", "dead", "warehouse"] {
-                        queues.push(format!("minishop.{q}.run-{run}"));
-                    }
-                    for q in &queues {
-                        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
-                    }
-                    for x in [
-                        format!("minishop.run-{run}"),
-                        format!("minishop.dlx.run-{run}"),
-                    ] {
-                        let _ = ch
-                            .exchange_delete(x.as_str().into(), Default::default())
-                            .await;
+            match &self.broker {
+                Broker::Amqp(url) => delete_amqp(url, run).await,
+                Broker::Nats(url) => {
+                    if let Ok(client) = outbox_nats::async_nats::connect(url.as_str()).await {
+                        let js = outbox_nats::async_nats::jetstream::new(client);
+                        for stream in [format!("MINISHOP_{run}"), format!("MINISHOP_DEAD_{run}")] {
+                            let _ = js.delete_stream(&stream).await;
+                        }
                     }
                 }
-                let _ = conn.close(200, "test done".into()).await;
             }
             if let Ok(mut db) = PgConnection::connect(&self.pg).await {
                 for module in ["ordering", "warehouse"] {
@@ -209,6 +212,37 @@ impl Drop for Cleanup {
             }
         });
     }
+}
+
+/// Deletes a RabbitMQ run's queues and exchanges.
+async fn delete_amqp(url: &str, run: &str) {
+    use outbox::rabbitmq::lapin::{Connection, ConnectionProperties};
+    let Ok(conn) = Connection::connect(url, ConnectionProperties::default()).await else {
+        return;
+    };
+    if let Ok(ch) = conn.create_channel().await {
+        let mut queues: Vec<String> = (0..PARTITIONS)
+            .flat_map(|p| {
+                let q = format!("minishop.warehouse.run-{run}.{p}");
+                [format!("{q}.owner"), q]
+            })
+            .collect();
+        for q in ["ordering", "dead", "warehouse"] {
+            queues.push(format!("minishop.{q}.run-{run}"));
+        }
+        for q in &queues {
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        }
+        for x in [
+            format!("minishop.run-{run}"),
+            format!("minishop.dlx.run-{run}"),
+        ] {
+            let _ = ch
+                .exchange_delete(x.as_str().into(), Default::default())
+                .await;
+        }
+    }
+    let _ = conn.close(200, "test done".into()).await;
 }
 
 fn count(rt: &tokio::runtime::Runtime, db: &mut PgConnection, sql: &str) -> i64 {
@@ -229,7 +263,17 @@ fn figure(stdout: &str, label: &str) -> u64 {
 
 #[test]
 fn three_warehouse_replicas_answer_every_order_once_through_a_sigkill() {
-    let amqp = service_url(&outbox_rabbitmq::testing::RABBITMQ);
+    three_replicas_through_a_sigkill(Broker::Amqp(service_url(
+        &outbox_rabbitmq::testing::RABBITMQ,
+    )));
+}
+
+#[test]
+fn three_warehouse_replicas_over_nats_answer_every_order_once_through_a_sigkill() {
+    three_replicas_through_a_sigkill(Broker::Nats(service_url(&outbox_nats::testing::NATS)));
+}
+
+fn three_replicas_through_a_sigkill(broker: Broker) {
     let pg = service_url(&outbox_postgres::testing::POSTGRES);
     let run = format!(
         "t{:x}{}",
@@ -237,15 +281,16 @@ fn three_warehouse_replicas_answer_every_order_once_through_a_sigkill() {
         &uuid::Uuid::now_v7().simple().to_string()[20..]
     );
     let _cleanup = Cleanup {
-        amqp: amqp.clone(),
+        broker: broker.clone(),
         pg: pg.clone(),
         run: run.clone(),
     };
     let partitions = PARTITIONS.to_string();
     let replicas = REPLICAS.to_string();
+    let [flag, url] = broker.flag();
     let common = [
-        "--amqp",
-        &amqp,
+        flag,
+        url,
         "--postgres",
         &pg,
         "--run",

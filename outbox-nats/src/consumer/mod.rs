@@ -231,7 +231,8 @@ impl NatsConsumerBuilder {
 
     /// Partitioned consumers: the key-value bucket that holds the
     /// ownership leases (default `outbox-owners`; created on first use,
-    /// keys `owner.{durable}.{partition}` and `member.{durable}.{replica}`).
+    /// keys `owner.{stream}.{durable}.{partition}` and
+    /// `member.{stream}.{durable}.{replica}`).
     pub fn ownership_bucket(mut self, bucket: impl Into<String>) -> Self {
         self.ownership_bucket = bucket.into();
         self

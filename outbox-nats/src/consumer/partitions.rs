@@ -2,23 +2,25 @@
 //! leases in a JetStream key-value bucket ([decisions](../../../docs/decisions.md),
 //! "NATS: per-key order across consumer processes").
 //!
-//! - `owner.{durable}.{partition}` holds the instance id of the process
+//! - `owner.{stream}.{durable}.{partition}` holds the instance id of the process
 //!   consuming that partition. It is created when absent, renewed (a
 //!   compare-and-set on its revision) every `takeover_check`, and expires
 //!   with the bucket's `max_age` (three checks) when its owner stops
 //!   renewing. An owner that cannot renew for two checks stops consuming
 //!   (fencing itself) before its lease can expire.
-//! - `member.{durable}.{replica}` shows that replica `replica` is alive;
+//! - `member.{stream}.{durable}.{replica}` shows that replica `replica` is alive;
 //!   a process consuming a partition it does not own by its index hands it
 //!   back as soon as the owner's member key is present.
 //! - Handing back is clean: the worker stops, gives every fetched but
 //!   unsettled message back to the server in stream order (`nak`), and
 //!   the lease is set to [`RELEASED`]; the next owner starts at once and
 //!   gets those messages first. A lease taken over because it expired (its
-//!   owner died or was cut off) is not clean: the next owner waits until
-//!   the old owner's pull requests have expired and, if it left messages
-//!   unacknowledged, until `ack_wait` has passed, so that the server
-//!   delivers them again — first, in stream order — before anything later.
+//!   owner died or was cut off) is not clean: unless the server shows no
+//!   pull request waiting and no message unacknowledged, the next owner
+//!   waits until the old owner's pull requests have expired and, if it left
+//!   messages unacknowledged, until `ack_wait` has passed, so that the
+//!   server delivers them again — first, in stream order — before anything
+//!   later.
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
@@ -74,18 +76,18 @@ pub(super) fn validate(b: &NatsConsumerBuilder) -> Result<()> {
             format!("index {index} must be below replicas {replicas} (and replicas at least 1)"),
         ));
     }
-    if !b
-        .durable
-        .chars()
-        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    {
-        return Err(Error::config(
-            "durable",
-            format!(
-                "`{}`: a partitioned consumer's name is part of its lease keys: letters, digits, `-` and `_` only",
-                b.durable
-            ),
-        ));
+    for (field, name) in [("durable", &b.durable), ("stream", &b.stream)] {
+        if !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(Error::config(
+                field,
+                format!(
+                    "`{name}`: a partitioned consumer's stream and name are part of its lease keys: letters, digits, `-` and `_` only"
+                ),
+            ));
+        }
     }
     if b.takeover_check.is_zero() {
         return Err(Error::config("takeover_check", "must be longer than zero"));
@@ -110,6 +112,8 @@ pub(super) fn validate(b: &NatsConsumerBuilder) -> Result<()> {
 /// The leases of one replica of a partitioned consumer.
 pub(super) struct Ownership {
     kv: kv::Store,
+    /// `{stream}.{durable}`: what the lease keys are about.
+    scope: String,
     durable: String,
     /// This process's instance id: the value of its leases.
     me: String,
@@ -170,6 +174,7 @@ impl Ownership {
         }
         let ownership = Ownership {
             kv,
+            scope: format!("{}.{}", b.stream, b.durable),
             durable: b.durable.clone(),
             me: outbox_api::MessageId::new().to_string(),
             index: b.replica.0,
@@ -189,11 +194,11 @@ impl Ownership {
     }
 
     fn owner_key(&self, partition: u16) -> String {
-        format!("owner.{}.{partition}", self.durable)
+        format!("owner.{}.{partition}", self.scope)
     }
 
     fn member_key(&self, replica: u16) -> String {
-        format!("member.{}.{replica}", self.durable)
+        format!("member.{}.{replica}", self.scope)
     }
 
     /// The replica that owns `partition` by its index.
@@ -301,8 +306,8 @@ impl Running {
 
 /// Waits until the previous owner's pull requests have expired and, if it
 /// left messages unacknowledged, until `ack_wait` has passed so that the
-/// server delivers them again (first, in stream order). `false` when
-/// stopped meanwhile.
+/// server delivers them again (first, in stream order); at once when the
+/// server shows neither. `false` when stopped meanwhile.
 async fn wait_for_old_deliveries(
     consumer: &jetstream::consumer::PullConsumer,
     ack_wait: Duration,
@@ -318,14 +323,21 @@ async fn wait_for_old_deliveries(
             !stopped && !*stop.borrow()
         }
     };
-    if !sleep(PULL_EXPIRY + Duration::from_millis(200), stop).await {
-        return false;
-    }
-    let unacknowledged = match consumer.get_info().await {
-        Ok(info) => info.num_ack_pending,
-        // Cannot tell: assume the worst.
-        Err(_) => 1,
+    // (pull requests waiting, messages unacknowledged); cannot tell: the worst.
+    let state = || async {
+        consumer
+            .get_info()
+            .await
+            .map(|i| (i.num_waiting, i.num_ack_pending))
+            .unwrap_or((1, 1))
     };
+    let (waiting, mut unacknowledged) = state().await;
+    if waiting > 0 {
+        if !sleep(PULL_EXPIRY + Duration::from_millis(200), stop).await {
+            return false;
+        }
+        unacknowledged = state().await.1;
+    }
     if unacknowledged > 0 {
         tracing::info!(
             consumer = %consumer.cached_info().name,
@@ -484,13 +496,18 @@ async fn partition_loop(
 }
 
 /// Stops the worker and, when it gave everything back, marks the lease
-/// [`RELEASED`] so that the next owner starts at once; otherwise the lease
-/// is left to expire and the next owner waits (see the module).
+/// [`RELEASED`] so that the next owner starts at once; otherwise deletes it,
+/// so that the next owner need not wait for it to expire but still takes
+/// it as unclean (see the module).
 async fn hand_back(own: &Ownership, key: &str, revision: u64, worker: Running) {
-    if worker.stop().await {
+    let done = if worker.stop().await {
         let release = own.kv.update(key, RELEASED.into(), revision);
-        if !matches!(own.bounded(release).await, Some(Ok(_))) {
-            tracing::debug!(key, "marking a lease released failed; it expires instead");
-        }
+        matches!(own.bounded(release).await, Some(Ok(_)))
+    } else {
+        let delete = own.kv.delete_expect_revision(key, Some(revision));
+        matches!(own.bounded(delete).await, Some(Ok(())))
+    };
+    if !done {
+        tracing::debug!(key, "handing a lease back failed; it expires instead");
     }
 }
