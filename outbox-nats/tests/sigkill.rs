@@ -1,9 +1,11 @@
-//! A NATS consumer process SIGKILLed mid-run and a new one started: 2,000
-//! messages over 50 keys, sent through `NatsTransport` as the relay sends
-//! them, into a PostgreSQL inbox; every message's effect exactly once,
-//! nothing dead-lettered or retried (the kill is an outage, not a failure),
-//! nothing left unacknowledged. What the killed process held comes again
-//! after `ack_wait` (3 s here).
+//! Two partitioned NATS consumer processes (replicas 0 and 1 of 2, four
+//! partitions), one SIGKILLed mid-run and started again: 2,000 messages
+//! over 50 keys, sent through a partitioned `NatsTransport` as the relay
+//! sends them, into a PostgreSQL inbox; every message's effect exactly
+//! once and each key's effects in order, nothing dead-lettered or retried
+//! (the kill is an outage, not a failure), nothing left unacknowledged.
+//! What the killed process held comes again after `ack_wait` (3 s here),
+//! before anything later of its partitions.
 //!
 //! `harness = false`: run without arguments this is the test; run with
 //! `OUTBOX_NATS_SIGKILL_CHILD` set it is one consumer process, until its
@@ -25,6 +27,7 @@ const CHILD: &str = "OUTBOX_NATS_SIGKILL_CHILD";
 const KEYS: usize = 50;
 const PER_KEY: usize = 40;
 const TOTAL: usize = KEYS * PER_KEY;
+const PARTITIONS: u16 = 4;
 const DEADLINE: Duration = Duration::from_secs(60);
 
 fn main() {
@@ -37,19 +40,24 @@ fn main() {
         Ok(setup) => rt.block_on(child(&setup)),
         Err(_) => {
             let started = Instant::now();
-            rt.block_on(a_consumer_process_sigkilled_mid_run_loses_nothing());
+            rt.block_on(a_replica_sigkilled_mid_run_loses_nothing_and_keeps_each_keys_order());
             println!(
-                "test a_consumer_process_sigkilled_mid_run_loses_nothing ... ok ({:.1} s)",
+                "test a_replica_sigkilled_mid_run_loses_nothing_and_keeps_each_keys_order ... ok ({:.1} s)",
                 started.elapsed().as_secs_f64()
             );
         }
     }
 }
 
-/// One consumer process: `<schema> <stream>` in its environment; logs each
-/// handled message in the inbox transaction.
+/// One consumer process: `<schema> <stream> <replica>` in its
+/// environment; logs each handled message in the inbox transaction.
 async fn child(setup: &str) {
-    let (schema, stream) = setup.split_once(' ').expect("<schema> <stream>");
+    let mut words = setup.split(' ');
+    let (Some(schema), Some(stream), Some(replica)) = (words.next(), words.next(), words.next())
+    else {
+        panic!("<schema> <stream> <replica>, got `{setup}`");
+    };
+    let replica: u16 = replica.parse().expect("a replica index");
     let url = database_url();
     let store = PgStore::builder(url.clone())
         .schema(schema)
@@ -78,14 +86,23 @@ async fn child(setup: &str) {
             })
         },
     );
-    let consumer = NatsConsumer::builder(NatsConfig::new(nats_url()), stream, "sigkill")
-        .dead_letter_subject(format!("{stream}-dead.sigkill"))
-        .max_ack_pending(50)
-        .handler_timeout(Duration::from_secs(1))
-        .ack_wait(Duration::from_secs(3))
-        .spawn(outbox_postgres::PgInbox::new(store.outbox(), pool), handler)
-        .await
-        .expect("start the consumer");
+    let consumer = NatsConsumer::partitioned(
+        NatsConfig::new(nats_url()),
+        stream,
+        "sigkill",
+        format!("{stream}.*"),
+        PARTITIONS,
+    )
+    .replica(replica, 2)
+    .takeover_check(Duration::from_millis(200))
+    .ownership_bucket(format!("{stream}_owners"))
+    .dead_letter_subject(format!("{stream}-dead.sigkill"))
+    .max_ack_pending(50)
+    .handler_timeout(Duration::from_secs(1))
+    .ack_wait(Duration::from_secs(3))
+    .spawn(outbox_postgres::PgInbox::new(store.outbox(), pool), handler)
+    .await
+    .expect("start the consumer");
     println!("ready");
     std::io::stdout().flush().unwrap();
     // Until the parent closes stdin (a graceful stop) — or kills us.
@@ -98,11 +115,13 @@ async fn child(setup: &str) {
     );
 }
 
-async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
+async fn a_replica_sigkilled_mid_run_loses_nothing_and_keeps_each_keys_order() {
     let stream = unique_name("kill");
-    let transport = NatsTransport::connect(NatsTransport::builder(nats_url()))
-        .await
-        .expect("connect to NATS");
+    let transport = NatsTransport::connect(
+        NatsTransport::builder(nats_url()).partitioned(stream.as_str(), PARTITIONS),
+    )
+    .await
+    .expect("connect to NATS");
     for (name, subjects) in [
         (stream.clone(), format!("{stream}.>")),
         (format!("{stream}_DEAD"), format!("{stream}-dead.>")),
@@ -131,8 +150,10 @@ async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
             .unwrap() as usize
         }
     };
-    let setup = format!("{} {stream}", db.schema());
-    let first = ChildProcess::start(&[(CHILD, &setup)], "ready", DEADLINE);
+    let setup = |replica: u16| format!("{} {stream} {replica}", db.schema());
+    let (zero, one) = (setup(0), setup(1));
+    let steady = ChildProcess::start(&[(CHILD, &zero)], "ready", DEADLINE);
+    let first = ChildProcess::start(&[(CHILD, &one)], "ready", DEADLINE);
 
     // The relay's side: each key's messages in order, 500 per send.
     let mut batch = Vec::new();
@@ -162,7 +183,7 @@ async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
     let killed_at = count("COUNT(*)").await;
     assert!(killed_at < TOTAL, "killed after everything was handled");
     let second = tokio::task::spawn_blocking(move || {
-        ChildProcess::start(&[(CHILD, &setup)], "ready", DEADLINE)
+        ChildProcess::start(&[(CHILD, &one)], "ready", DEADLINE)
     })
     .await
     .unwrap();
@@ -170,32 +191,50 @@ async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
         count("COUNT(DISTINCT id)").await >= TOTAL
     })
     .await;
-    let stats = tokio::task::spawn_blocking(move || second.stop_saying(|l| l.starts_with("stats")))
-        .await
-        .unwrap();
+    let stats = tokio::task::spawn_blocking(move || {
+        let said = |l: &str| l.starts_with("stats");
+        format!("{}; {}", second.stop_saying(said), steady.stop_saying(said))
+    })
+    .await
+    .unwrap();
     assert_eq!(
         count("COUNT(*)").await,
         TOTAL,
         "each message's effect exactly once (the inbox drops what the killed process had committed)"
     );
-    assert!(
-        stats.contains("retried=0 dead_lettered=0"),
+    let bodies: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        r#"SELECT body FROM "{}".log ORDER BY n"#,
+        db.schema()
+    )))
+    .fetch_all(db.pool())
+    .await
+    .unwrap();
+    let mut next = std::collections::HashMap::new();
+    for body in &bodies {
+        let (key, seq) = body.split_once(':').expect("<key>:<seq>");
+        let seq: usize = seq.parse().unwrap();
+        let expected = next.entry(key.to_owned()).or_insert(0);
+        assert_eq!(seq, *expected, "key {key}: effects in order");
+        *expected += 1;
+    }
+    assert_eq!(
+        stats.matches("retried=0 dead_lettered=0").count(),
+        2,
         "the kill is not the messages' fault: {stats}"
     );
-    let mut c: outbox_nats::async_nats::jetstream::consumer::PullConsumer = transport
-        .jetstream()
-        .get_stream(&stream)
-        .await
-        .unwrap()
-        .get_consumer("sigkill")
-        .await
-        .unwrap();
-    let info = c.info().await.unwrap();
-    assert_eq!(
-        (info.num_pending, info.num_ack_pending),
-        (0, 0),
-        "nothing left unacknowledged"
-    );
+    let js_stream = transport.jetstream().get_stream(&stream).await.unwrap();
+    for p in 0..PARTITIONS {
+        let mut c: outbox_nats::async_nats::jetstream::consumer::PullConsumer = js_stream
+            .get_consumer(&format!("sigkill-{p}"))
+            .await
+            .unwrap();
+        let info = c.info().await.unwrap();
+        assert_eq!(
+            (info.num_pending, info.num_ack_pending),
+            (0, 0),
+            "partition {p}: nothing left unacknowledged"
+        );
+    }
     let dead = transport
         .jetstream()
         .get_stream(format!("{stream}_DEAD"))
@@ -210,7 +249,11 @@ async fn a_consumer_process_sigkilled_mid_run_loses_nothing() {
     println!(
         "nats sigkill: {TOTAL} messages, {killed_at} handled when the first process was killed, {stats}"
     );
-    for name in [stream.clone(), format!("{stream}_DEAD")] {
+    for name in [
+        stream.clone(),
+        format!("{stream}_DEAD"),
+        format!("KV_{stream}_owners"),
+    ] {
         let _ = transport.jetstream().delete_stream(&name).await;
     }
 }
