@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 use std::error::Error as _;
 use std::fmt;
-use std::future::IntoFuture;
 use std::str::FromStr;
 use std::sync::Arc;
 
@@ -13,6 +12,8 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, Context};
 use async_nats::{Client, HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use outbox_api::{Error, Message, Outcome, Result, Transport};
 use tokio::time::timeout;
 
@@ -193,7 +194,12 @@ impl Inner {
         }
         let max_payload = self.client.server_info().max_payload;
         let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
-        let mut acks = Vec::with_capacity(batch.len());
+        // Acknowledgements are read while later messages are published:
+        // the window's permit of a message is released only when its
+        // acknowledgement is read, so this send must read its own while it
+        // waits for a permit for its next message.
+        let mut acks = FuturesUnordered::new();
+        let mut answers = Vec::with_capacity(batch.len());
         for (i, m) in batch.iter().enumerate() {
             let p = match self.prepare(m, max_payload) {
                 Ok(p) => p,
@@ -205,12 +211,20 @@ impl Inner {
             let publish = PublishMessage::build()
                 .payload(m.payload.clone().into())
                 .headers(p.headers);
-            match self.js.send_publish(p.subject.clone(), publish).await {
-                // Awaited on a task of its own: the window's permit is
-                // released when the acknowledgement is read, so an ack must
-                // be read even while this send waits for a permit for its
-                // next message (or has been dropped by the relay).
-                Ok(ack) => acks.push((i, p.subject, tokio::spawn(ack.into_future()))),
+            let sending = self.js.send_publish(p.subject.clone(), publish);
+            tokio::pin!(sending);
+            let sent = loop {
+                tokio::select! {
+                    biased;
+                    Some(answer) = acks.next(), if !acks.is_empty() => answers.push(answer),
+                    sent = &mut sending => break sent,
+                }
+            };
+            match sent {
+                Ok(ack) => {
+                    let subject = p.subject;
+                    acks.push(async move { (i, subject, ack.await) });
+                }
                 Err(e) => {
                     // The client could not take it: this one and the rest
                     // were not published.
@@ -222,14 +236,9 @@ impl Inner {
                 }
             }
         }
-        let answers =
-            futures_util::future::join_all(acks.into_iter().map(|(i, subject, ack)| async move {
-                let answer = ack
-                    .await
-                    .unwrap_or_else(|_| Err(PublishError::new(PublishErrorKind::BrokenPipe)));
-                (i, subject, answer)
-            }))
-            .await;
+        while let Some(answer) = acks.next().await {
+            answers.push(answer);
+        }
         let mut streams: HashMap<String, Outcome> = HashMap::new();
         for (i, subject, answer) in answers {
             let outcome = match answer {

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::consumer::pull::Batch;
 use async_nats::jetstream::message::{Acker, PublishMessage};
 use async_nats::jetstream::{self, AckKind};
 use async_nats::{HeaderName, HeaderValue};
@@ -89,50 +90,56 @@ impl Worker {
         connection_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let client = self.js.client();
         let mut lost = false;
-        let mut in_flight = None;
+        let size = self.settings.max_ack_pending.min(1000);
+        // The pull request being read, and the next one, asked for as soon
+        // as the current one has brought all it asked for: the server
+        // delivers into it while this worker handles the last ones, so the
+        // flow does not stop for a round trip every `size` messages.
+        let mut current: Option<(Batch, usize)> = None;
+        let mut queued: Option<Batch> = None;
         'outer: while !*self.stop.borrow() {
-            let mut batch = match consumer
-                .batch()
-                .max_messages(self.settings.max_ack_pending.min(1000))
-                .expires(PULL_EXPIRY)
-                .messages()
-                .await
-            {
-                Ok(batch) => {
-                    if failures > 0 || (lost && pulled_before) {
-                        bump(&self.counters.reconnects);
+            if current.is_none() {
+                let pulled = match queued.take() {
+                    Some(batch) => Ok(batch),
+                    None => self.pull(&consumer, size).await,
+                };
+                match pulled {
+                    Ok(batch) => {
+                        if failures > 0 || (lost && pulled_before) {
+                            bump(&self.counters.reconnects);
+                        }
+                        pulled_before = true;
+                        failures = 0;
+                        lost = false;
+                        self.connected.store(true, Ordering::SeqCst);
+                        current = Some((batch, 0));
                     }
-                    pulled_before = true;
-                    failures = 0;
-                    lost = false;
-                    self.connected.store(true, Ordering::SeqCst);
-                    batch
-                }
-                Err(e) => {
-                    self.connected.store(false, Ordering::SeqCst);
-                    failures = failures.saturating_add(1);
-                    let delay =
-                        backoff(Duration::from_millis(50), Duration::from_secs(5), failures);
-                    tracing::warn!(
-                        error = %self.settings.config.scrub(&e.to_string()),
-                        consumer = %self.settings.durable,
-                        retry_in_ms = delay.as_millis() as u64,
-                        "cannot pull from JetStream; retrying"
-                    );
-                    tokio::select! {
-                        _ = tokio::time::sleep(delay) => {}
-                        _ = self.stop.changed() => {}
+                    Err(e) => {
+                        self.connected.store(false, Ordering::SeqCst);
+                        failures = failures.saturating_add(1);
+                        let delay =
+                            backoff(Duration::from_millis(50), Duration::from_secs(5), failures);
+                        tracing::warn!(
+                            error = %self.settings.config.scrub(&e.to_string()),
+                            consumer = %self.settings.durable,
+                            retry_in_ms = delay.as_millis() as u64,
+                            "cannot pull from JetStream; retrying"
+                        );
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = self.stop.changed() => {}
+                        }
+                        continue;
                     }
-                    continue;
                 }
+            }
+            let Some((batch, got)) = current.as_mut() else {
+                continue;
             };
-            loop {
+            let ended = loop {
                 tokio::select! {
                     biased;
-                    _ = self.stop.changed() => {
-                        in_flight = Some(batch);
-                        break 'outer;
-                    }
+                    _ = self.stop.changed() => break 'outer,
                     _ = progress.tick() => self.keep_held_in_progress().await,
                     // After a reconnect, pull afresh: a pull request made
                     // on the lost connection is not answered any more.
@@ -143,7 +150,8 @@ impl Worker {
                             lost = true;
                         } else if lost {
                             tracing::info!(consumer = %self.settings.durable, "NATS connection restored; pulling again");
-                            break;
+                            queued = None;
+                            break true;
                         }
                     }
                     Some(lane) = self.held.due() => {
@@ -152,7 +160,13 @@ impl Worker {
                         }
                     }
                     next = batch.next() => match next {
-                        Some(Ok(message)) => self.on_message(message).await,
+                        Some(Ok(message)) => {
+                            *got += 1;
+                            if *got == size && queued.is_none() {
+                                queued = self.pull(&consumer, size).await.ok();
+                            }
+                            self.on_message(message).await;
+                        }
                         Some(Err(e)) => {
                             tracing::debug!(
                                 error = %self.settings.config.scrub(&e.to_string()),
@@ -161,12 +175,16 @@ impl Worker {
                             );
                         }
                         // The pull request is fulfilled or expired: the next.
-                        None => break,
+                        None => break true,
                     },
                 }
+            };
+            if ended {
+                current = None;
             }
         }
-        let clean = self.give_back(in_flight, &client).await;
+        let in_flight = current.map(|(batch, _)| batch).into_iter().chain(queued);
+        let clean = self.give_back(in_flight.collect(), &client).await;
         self.connected.store(false, Ordering::SeqCst);
         tracing::info!(consumer = %self.settings.durable, "NATS consumer stopped");
         clean
@@ -175,11 +193,7 @@ impl Worker {
     /// Gives back (`nak`) the held messages and what the pull request in
     /// flight still brings, in stream order. `true` when all of it reached
     /// the server.
-    async fn give_back(
-        &mut self,
-        in_flight: Option<jetstream::consumer::pull::Batch>,
-        client: &async_nats::Client,
-    ) -> bool {
+    async fn give_back(&mut self, in_flight: Vec<Batch>, client: &async_nats::Client) -> bool {
         let mut back: Vec<Delivery> = self
             .held
             .take_all()
@@ -187,11 +201,11 @@ impl Worker {
             .map(|p| p.delivery)
             .collect();
         let mut clean = true;
-        if let Some(mut batch) = in_flight {
-            // The server answers an expired pull request with a status that
-            // ends the batch; a lost connection does not.
-            let deadline = tokio::time::sleep(PULL_EXPIRY + Duration::from_millis(500));
-            tokio::pin!(deadline);
+        // The server answers an expired pull request with a status that
+        // ends the batch; a lost connection does not.
+        let deadline = tokio::time::sleep(PULL_EXPIRY + Duration::from_millis(500));
+        tokio::pin!(deadline);
+        for mut batch in in_flight {
             loop {
                 tokio::select! {
                     next = batch.next() => match next {
@@ -226,6 +240,20 @@ impl Worker {
             tracing::debug!(consumer = %self.settings.durable, given_back = back.len(), clean, "gave unsettled messages back to the server");
         }
         clean
+    }
+
+    /// Asks the server for up to `size` messages within [`PULL_EXPIRY`].
+    async fn pull(
+        &self,
+        consumer: &jetstream::consumer::PullConsumer,
+        size: usize,
+    ) -> Result<Batch, jetstream::consumer::pull::BatchError> {
+        consumer
+            .batch()
+            .max_messages(size)
+            .expires(PULL_EXPIRY)
+            .messages()
+            .await
     }
 
     /// Tells the server the held messages are being worked on, so that it
