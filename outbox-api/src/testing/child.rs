@@ -129,3 +129,55 @@ pub async fn until_stdin_closes() {
     .await
     .expect("reading stdin");
 }
+
+/// For a test binary without the standard harness (`harness = false`):
+/// whether its one test, `name`, is selected by the command line as the
+/// standard harness reads it — name filters (substrings, or whole names
+/// with `--exact`), `--skip NAME`, `--ignored` (this test is not ignored),
+/// `--list`. When it is not to run, prints what the standard harness
+/// prints (`name: test` for `--list`, else `running 0 tests` and a result
+/// line), so that `cargo test FILTER` and `cargo test -- --list` treat it
+/// like any other test binary.
+pub fn selected(name: &str) -> bool {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (mut filters, mut skips) = (Vec::new(), Vec::new());
+    let (mut exact, mut list, mut ignored_only) = (false, false, false);
+    let mut words = args.iter();
+    while let Some(word) = words.next() {
+        match word.as_str() {
+            "--list" => list = true,
+            "--exact" => exact = true,
+            "--ignored" => ignored_only = true,
+            "--skip" => skips.extend(words.next().cloned()),
+            // Flags that take a value.
+            "--test-threads" | "--color" | "--format" | "--logfile" | "-Z" | "--shuffle-seed" => {
+                words.next();
+            }
+            w if w.starts_with("--skip=") => skips.push(w["--skip=".len()..].to_owned()),
+            w if w.starts_with('-') => {}
+            w => filters.push(w.to_owned()),
+        }
+    }
+    let hits = |pattern: &String| {
+        if exact {
+            name == pattern
+        } else {
+            name.contains(pattern.as_str())
+        }
+    };
+    let chosen = (filters.is_empty() || filters.iter().any(hits))
+        && !skips.iter().any(hits)
+        && !ignored_only;
+    if list {
+        if chosen {
+            println!("{name}: test");
+        }
+        return false;
+    }
+    if !chosen {
+        println!(
+            "\nrunning 0 tests\n\ntest result: ok. 0 passed; 0 failed; 0 ignored; 0 measured; 1 filtered out\n"
+        );
+    }
+    chosen
+}

@@ -18,7 +18,7 @@ pub mod services;
 pub mod store;
 pub mod transport;
 
-pub use child::{ChildProcess, until_stdin_closes};
+pub use child::{ChildProcess, selected, until_stdin_closes};
 pub use consumer::{ConsumerSettings, ConsumerUnderTest};
 pub use inbox::InboxUnderTest;
 pub use metrics::TestRecorder;
