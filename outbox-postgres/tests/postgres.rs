@@ -360,9 +360,69 @@ async fn notifications_are_debounced() {
     );
 }
 
+/// Another process's commit wakes a listener through `LISTEN`/`NOTIFY`:
+/// the listener's poll is an hour, so nothing but a notification can wake
+/// it within the deadline, and the commit comes from a second store on the
+/// same table (its own pools and in-process signals, as another process
+/// has). How long it took is printed (the bench measures it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_processs_commit_wakes_a_listener_through_notify_not_polling() {
+    let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
+    let mut listener = f.pg().listen();
+    // Its first connection reports a change (a catch-up claim).
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    wait_until("the listener listens", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(f.schema())
+        .fetch_one(f.pool())
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    while listener.wait(Duration::from_millis(50)).await {}
+    let other = PgStore::builder(f.url())
+        .schema(f.schema())
+        .table("test_outbox")
+        .inbox_table("test_inbox")
+        .max_connections(2)
+        .connect()
+        .await
+        .expect("a second store on the same table");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(f.url())
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    let mut tx = pool.begin().await.unwrap();
+    other.outbox().enqueue(&mut tx, msg(1)).await.unwrap();
+    tx.commit().await.unwrap();
+    assert!(
+        listener.wait(Duration::from_secs(10)).await,
+        "another process's commit must wake the listener (its poll is an hour)"
+    );
+    eprintln!(
+        "another process's commit → listener woken: {:?}",
+        started.elapsed()
+    );
+    // A rolled-back enqueue wakes nobody.
+    while listener.wait(Duration::from_millis(50)).await {}
+    let mut tx = pool.begin().await.unwrap();
+    other.outbox().enqueue(&mut tx, msg(2)).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(
+        !listener.wait(Duration::from_millis(500)).await,
+        "a rollback notifies nobody"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listener_reports_a_change_after_reconnecting_and_hears_other_processes() {
-    let f = PgUnderTest::fresh(None).await;
+    // An hour's poll: only a notification (or a reconnect) wakes it.
+    let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
     let mut listener = f.pg().listen();
     // Its first connection reports a change (a catch-up claim).
     assert!(listener.wait(Duration::from_secs(10)).await);
