@@ -602,8 +602,12 @@ async fn connection_cut_mid_run_loses_nothing_and_counts_no_attempt() {
         "{health:?}"
     );
     assert!(health.pending > 0, "{health:?}");
-    // Stays down while cut (probes are refused).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Stays down while cut: a probe was refused since, and it is still down.
+    let refused = proxy.refused();
+    wait_until("a probe was refused by the cut", DEADLINE, || async {
+        proxy.refused() > refused
+    })
+    .await;
     assert!(matches!(
         relay.health().await.transport,
         TransportHealth::Down(_)

@@ -148,6 +148,22 @@ async fn migrations_from_several_processes_at_once_apply_once() {
     }
 }
 
+/// Waits until a connection of `f`'s waits on a lock (as PostgreSQL shows
+/// it in `pg_stat_activity`), or fails saying `what` did not happen.
+async fn waits_on_a_lock(f: &PgUnderTest, what: &str) {
+    wait_until(what, Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(f.schema())
+        .fetch_one(f.pool())
+        .await
+        .unwrap()
+            >= 1
+    })
+    .await;
+}
+
 /// Two transactions enqueueing one key take turns: the second waits at its
 /// enqueue until the first commits, so `seq` order is commit order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -169,11 +185,12 @@ async fn a_keys_enqueues_take_turns_so_its_order_is_commit_order() {
         o.enqueue(&mut tx, msg(4).key("k")).await.unwrap();
         tx.commit().await.unwrap();
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(
-        !second.is_finished(),
-        "the second enqueue of the key waits for the first transaction"
-    );
+    waits_on_a_lock(
+        &f,
+        "the second enqueue of the key waits for the first transaction",
+    )
+    .await;
+    assert!(!second.is_finished());
     first.commit().await.unwrap();
     second.await.unwrap();
     let claimed = f.pg().claim(&claim(10)).await.unwrap();
@@ -255,7 +272,8 @@ async fn the_inbox_turns_duplicates_into_one_effect_and_is_purged_in_batches() {
         tx.commit().await.unwrap();
         fresh
     });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    waits_on_a_lock(&f, "the second receiver waits for the first's commit").await;
+    assert!(!b.is_finished());
     a.commit().await.unwrap();
     assert!(!b.await.unwrap(), "a duplicate once the first committed");
     let mut c = f.pool().begin().await.unwrap();
