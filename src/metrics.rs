@@ -136,3 +136,67 @@ pub fn describe() {
         "1 while the relay's transport is up, 0 while it is down and probed"
     );
 }
+
+/// Bucket bounds (seconds) of the duration histograms ([`DELIVERY_LAG`],
+/// [`PROCESS_DURATION`], [`OPERATION_DURATION`]) in
+/// [`prometheus_recorder`]: half a millisecond to an hour, so that the
+/// milliseconds of a healthy relay and the minutes of an outage both land
+/// in a bucket of their own.
+pub const SECONDS_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+    60.0, 300.0, 900.0, 3600.0,
+];
+
+/// Bucket bounds of [`CLAIM_SIZE`] in [`prometheus_recorder`] (messages).
+pub const CLAIM_SIZE_BUCKETS: &[f64] = &[
+    0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
+];
+
+/// A Prometheus exporter's builder set up by the conventions of its
+/// ecosystem (feature `prometheus`): names as Prometheus recommends them
+/// (`_total` on counters, the unit on durations: `outbox_messages_delivered_total`,
+/// `outbox_delivery_lag_seconds`), and every histogram a true histogram
+/// with buckets ([`SECONDS_BUCKETS`], [`CLAIM_SIZE_BUCKETS`]) — never a
+/// summary, whose quantiles cannot be added up across the relays of many
+/// machines. The dashboard and alert rules in the repository's `ops/` use
+/// these names. Install it (or its recorder) **before building relays**,
+/// then call [`describe`] for the help texts and units.
+#[cfg(feature = "prometheus")]
+pub fn prometheus_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    let bucketed = |b: PrometheusBuilder, name: &str, buckets: &[f64]| {
+        b.set_buckets_for_metric(Matcher::Full(name.to_owned()), buckets)
+            .expect("the buckets are not empty")
+    };
+    let mut b = PrometheusBuilder::new()
+        .with_recommended_naming(true)
+        // Any other histogram (a consumer's, the application's own): seconds.
+        .set_buckets(SECONDS_BUCKETS)
+        .expect("the buckets are not empty");
+    for name in [DELIVERY_LAG, PROCESS_DURATION, OPERATION_DURATION] {
+        b = bucketed(b, name, SECONDS_BUCKETS);
+    }
+    bucketed(b, CLAIM_SIZE, CLAIM_SIZE_BUCKETS)
+}
+
+/// The recorder of [`prometheus_builder`], not installed (for
+/// `metrics::with_local_recorder`, or to install yourself); its
+/// `handle().render()` is the scrape.
+#[cfg(feature = "prometheus")]
+pub fn prometheus_recorder() -> metrics_exporter_prometheus::PrometheusRecorder {
+    prometheus_builder().build_recorder()
+}
+
+/// Installs [`prometheus_builder`]'s recorder as the global one and
+/// [`describe`]s every metric; serve `handle.render()` on your `/metrics`
+/// route, and call `handle.run_upkeep()` now and then (every few seconds).
+///
+/// # Errors
+/// When a global recorder is installed already.
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus_recorder()
+-> Result<metrics_exporter_prometheus::PrometheusHandle, metrics_exporter_prometheus::BuildError> {
+    let handle = prometheus_builder().install_recorder()?;
+    describe();
+    Ok(handle)
+}

@@ -11,7 +11,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::json;
 use uuid::Uuid;
@@ -81,13 +81,12 @@ fn console(shop: &Shop) -> Result<outbox_console::Console, Fail> {
 }
 
 /// Installs the Prometheus recorder (no listener of its own: `GET
-/// /metrics` renders it) before the relays start, so they record into it,
-/// and keeps its summaries trimmed.
+/// /metrics` renders it) before the relays start, so they record into it:
+/// the library's, with Prometheus naming and histograms (the names the
+/// dashboard and alert rules in `ops/` use); keeps it trimmed.
 pub fn install_metrics() -> Result<PrometheusHandle, Fail> {
-    let handle = PrometheusBuilder::new()
-        .install_recorder()
+    let handle = outbox::metrics::install_prometheus_recorder()
         .context("installing the Prometheus metrics recorder")?;
-    outbox::metrics::describe();
     outbox_rabbitmq::metrics::describe();
     let upkeep = handle.clone();
     tokio::spawn(async move {

@@ -497,7 +497,7 @@ fn console_and_metrics_are_served_beside_the_api() {
     let delivered = |outbox: &str, kind: &str, ty: &str| {
         sample(
             &scrape,
-            "outbox_messages_delivered",
+            "outbox_messages_delivered_total",
             &[
                 &format!("outbox_name=\"{outbox}\""),
                 &format!("outbox_message_kind=\"{kind}\""),
@@ -517,7 +517,7 @@ fn console_and_metrics_are_served_beside_the_api() {
     assert_eq!(
         sample(
             &scrape,
-            "outbox_delivery_lag_count",
+            "outbox_delivery_lag_seconds_count",
             &[
                 "outbox_name=\"ordering\"",
                 "outbox_message_type=\"OrderPlaced\""
@@ -526,7 +526,9 @@ fn console_and_metrics_are_served_beside_the_api() {
         1.0
     );
     assert!(
-        scrape.contains("# HELP outbox_messages_delivered "),
+        scrape.contains("# HELP outbox_messages_delivered_total ")
+            && scrape.contains("# TYPE outbox_delivery_lag_seconds histogram")
+            && !scrape.contains(" summary\n"),
         "{scrape}"
     );
     interrupt(child);
