@@ -378,17 +378,8 @@ async fn notifications_are_debounced() {
     );
 }
 
-/// Another process's commit wakes a listener through `LISTEN`/`NOTIFY`:
-/// the listener's poll is an hour, so nothing but a notification can wake
-/// it within the deadline, and the commit comes from a second store on the
-/// same table (its own pools and in-process signals, as another process
-/// has). How long it took is printed (the bench measures it).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn another_processs_commit_wakes_a_listener_through_notify_not_polling() {
-    let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
-    let mut listener = f.pg().listen();
-    // Its first connection reports a change (a catch-up claim).
-    assert!(listener.wait(Duration::from_secs(10)).await);
+/// Waits until `f`'s listener has its one `LISTEN` connection.
+async fn listens(f: &PgUnderTest) {
     wait_until("the listener listens", Duration::from_secs(20), || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
@@ -400,6 +391,20 @@ async fn another_processs_commit_wakes_a_listener_through_notify_not_polling() {
             == 1
     })
     .await;
+}
+
+/// Another process's commit wakes a listener through `LISTEN`/`NOTIFY`:
+/// the listener's poll is an hour, so nothing but a notification can wake
+/// it within the deadline, and the commit comes from a second store on the
+/// same table (its own pools and in-process signals, as another process
+/// has). How long it took is printed (the bench measures it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_processs_commit_wakes_a_listener_through_notify_not_polling() {
+    let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
+    let mut listener = f.pg().listen();
+    // Its first connection reports a change (a catch-up claim).
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    listens(&f).await;
     while listener.wait(Duration::from_millis(50)).await {}
     let other = PgStore::builder(f.url())
         .schema(f.schema())
@@ -463,17 +468,7 @@ async fn the_listener_reports_a_change_after_reconnecting_and_hears_other_proces
     .unwrap();
     assert_eq!(cut, [true], "one LISTEN connection");
     assert!(listener.wait(Duration::from_secs(10)).await);
-    wait_until("the listener listens again", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
-        )
-        .bind(f.schema())
-        .fetch_one(f.pool())
-        .await
-        .unwrap()
-            == 1
-    })
-    .await;
+    listens(&f).await;
     while listener.wait(Duration::from_millis(50)).await {}
     sqlx::query("SELECT pg_notify($1, '')")
         .bind(f.pg().channel())

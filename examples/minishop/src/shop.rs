@@ -86,8 +86,37 @@ pub fn relay(store: Arc<dyn Store>, name: &str, worker_id: String) -> outbox::Re
         .poll_interval(Duration::from_millis(500))
 }
 
-fn spawn(b: outbox::RelayBuilder, name: &str) -> Result<RelayHandle, Fail> {
-    b.spawn().context(format!("starting the {name} relay"))
+/// Warehouse's relay in a process that runs both modules: its answers out
+/// through `out`.
+fn warehouse_relay(
+    warehouse: &Warehouse,
+    out: Arc<dyn outbox::Transport>,
+) -> Result<RelayHandle, Fail> {
+    relay(
+        warehouse.database().store(),
+        "warehouse",
+        "minishop-warehouse".into(),
+    )
+    .transport_shared(out)
+    .spawn()
+    .context("starting the warehouse relay")
+}
+
+/// Ordering's relay: `OrderPlaced` out through `out`, `OrderConfirmed` to
+/// its in-process handler.
+fn ordering_relay(
+    ordering: &Arc<Ordering>,
+    out: Arc<dyn outbox::Transport>,
+) -> Result<RelayHandle, Fail> {
+    relay(
+        ordering.database().store(),
+        "ordering",
+        "minishop-ordering".into(),
+    )
+    .transport_shared(out)
+    .dispatcher(ordering.handlers())
+    .spawn()
+    .context("starting the ordering relay")
 }
 
 impl Shop {
@@ -106,25 +135,8 @@ impl Shop {
                 let warehouse_inbox: Arc<dyn InboxModule> = warehouse.clone();
                 let bus: Arc<dyn outbox::Transport> =
                     Arc::new(EmbeddedBus::new(&[ordering_inbox, warehouse_inbox]));
-                let ordering_relay = spawn(
-                    relay(
-                        ordering.database().store(),
-                        "ordering",
-                        "minishop-ordering".into(),
-                    )
-                    .transport_shared(Arc::clone(&bus))
-                    .dispatcher(ordering.handlers()),
-                    "ordering",
-                )?;
-                let warehouse_relay = spawn(
-                    relay(
-                        warehouse.database().store(),
-                        "warehouse",
-                        "minishop-warehouse".into(),
-                    )
-                    .transport_shared(bus),
-                    "warehouse",
-                )?;
+                let ordering_relay = ordering_relay(&ordering, Arc::clone(&bus))?;
+                let warehouse_relay = warehouse_relay(&warehouse, bus)?;
                 Ok(Shop {
                     ordering,
                     ordering_relay,
@@ -152,30 +164,13 @@ impl Shop {
                         // Partitioned: every partition in this process, a worker each.
                         consumers
                             .push(nats::consumer(&url, &names, warehouse_inbox, (0, 1)).await?);
-                        let warehouse_relay = spawn(
-                            relay(
-                                warehouse.database().store(),
-                                "warehouse",
-                                "minishop-warehouse".into(),
-                            )
-                            .transport(warehouse_out),
-                            "warehouse",
-                        )?;
+                        let warehouse_relay = warehouse_relay(&warehouse, Arc::new(warehouse_out))?;
                         Some((warehouse, warehouse_relay))
                     }
                     Modules::OrderingOnly => None,
                 };
                 consumers.push(nats::consumer(&url, &names, ordering_inbox, (0, 1)).await?);
-                let ordering_relay = spawn(
-                    relay(
-                        ordering.database().store(),
-                        "ordering",
-                        "minishop-ordering".into(),
-                    )
-                    .transport(ordering_out.clone())
-                    .dispatcher(ordering.handlers()),
-                    "ordering",
-                )?;
+                let ordering_relay = ordering_relay(&ordering, Arc::new(ordering_out.clone()))?;
                 let bus_description = format!(
                     "NATS JetStream at {redacted} (stream `{}`{}{})",
                     names.stream,
@@ -229,15 +224,7 @@ impl Shop {
                                     .await?
                             }
                         });
-                        let warehouse_relay = spawn(
-                            relay(
-                                warehouse.database().store(),
-                                "warehouse",
-                                "minishop-warehouse".into(),
-                            )
-                            .transport(warehouse_out),
-                            "warehouse",
-                        )?;
+                        let warehouse_relay = warehouse_relay(&warehouse, Arc::new(warehouse_out))?;
                         Some((warehouse, warehouse_relay))
                     }
                     Modules::OrderingOnly => None,
@@ -247,16 +234,7 @@ impl Shop {
                     Some(p) => amqp::partitioned_consumer(&url, p, (0, 1), ordering_inbox).await?,
                     None => amqp::consumer(&url, &names.ordering_queue, ordering_inbox).await?,
                 });
-                let ordering_relay = spawn(
-                    relay(
-                        ordering.database().store(),
-                        "ordering",
-                        "minishop-ordering".into(),
-                    )
-                    .transport(ordering_out)
-                    .dispatcher(ordering.handlers()),
-                    "ordering",
-                )?;
+                let ordering_relay = ordering_relay(&ordering, Arc::new(ordering_out))?;
                 let bus_description = format!(
                     "RabbitMQ at {redacted} (exchange `{}`{}{})",
                     names.exchange,
