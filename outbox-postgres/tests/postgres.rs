@@ -81,6 +81,112 @@ async fn the_password_is_never_in_debug_output() {
     assert!(text.contains("127.0.0.1"), "{text}");
 }
 
+/// Collects everything logged on this thread (the test's current-thread
+/// runtime runs the store's tasks here too).
+#[derive(Clone, Default)]
+struct LogBuffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for LogBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The README's row "credentials never appear in `Debug`, logs or errors",
+/// for PostgreSQL's logs: everything logged at any level (the store's, the
+/// listener's, sqlx's) while a store with a password in its URL connects,
+/// migrates, enqueues, claims, loses its `LISTEN` connection and listens
+/// again, and while another fails to reach a server.
+#[tokio::test]
+async fn logs_never_contain_the_password() {
+    let logs = LogBuffer::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::TRACE)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let secret = "l0gged-pg-Pa55";
+    let schema = unique_schema("outbox_logs");
+    // Trust authentication ignores the password, so the store connects.
+    let base = database_url();
+    assert!(
+        base.starts_with("postgres://postgres@"),
+        "this test puts a password into the default URL; OUTBOX_PG_URL is `{}`",
+        base.split('@').next_back().unwrap_or_default()
+    );
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let url = format!(
+        "{}{separator}application_name={schema}",
+        base.replacen(
+            "postgres://postgres@",
+            &format!("postgres://postgres:{secret}@"),
+            1
+        )
+    );
+    let store = PgStore::builder(url.clone())
+        .schema(schema.clone())
+        .poll_interval(Duration::from_millis(100))
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let mut listener = store.listen();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&url)
+        .await
+        .unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    store.outbox().enqueue(&mut tx, msg(1)).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(store.claim(&claim(10)).await.unwrap().len(), 1);
+    // The listener's connection is ended: it logs, reconnects, listens again.
+    wait_until("the listener listens", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(&schema)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+    )
+    .bind(&schema)
+    .execute(&pool)
+    .await
+    .unwrap();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    // A server that does not answer.
+    let unreachable = format!("postgres://outbox:{secret}@127.0.0.1:1/shop");
+    assert!(PgStore::connect(&unreachable).await.is_err());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"DROP SCHEMA "{schema}" CASCADE"#
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    drop(_guard);
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    // What was provoked was logged: the listener listened again after its
+    // connection was ended.
+    assert!(
+        text.matches("LISTEN \\\"outbox.").count() >= 2,
+        "the listener's second LISTEN is in the logs:\n{text}"
+    );
+    assert!(!text.contains(secret), "a password in the logs:\n{text}");
+}
+
 #[tokio::test]
 async fn using_an_unmigrated_table_says_to_migrate() {
     let schema = unique_schema("outbox_unmigrated");
