@@ -40,6 +40,30 @@ pub fn check_count(field: &str, count: u16) -> Result<()> {
     Ok(())
 }
 
+/// Checks a consumer's replica settings: `index` below `replicas` (at least
+/// 1), and more than one replica only for a partitioned consumer
+/// (`constructor` names how to make one, for the error).
+pub fn check_replica(
+    index: u16,
+    replicas: u16,
+    partitioned: bool,
+    constructor: &str,
+) -> Result<()> {
+    if replicas == 0 || index >= replicas {
+        return Err(Error::config(
+            "replica",
+            format!("needs index < replicas and replicas >= 1 (got {index} of {replicas})"),
+        ));
+    }
+    if replicas > 1 && !partitioned {
+        return Err(Error::config(
+            "replica",
+            format!("only partitioned consumers ({constructor}) have replicas"),
+        ));
+    }
+    Ok(())
+}
+
 /// FNV-1a (64 bit) of `bytes`, modulo `count`.
 fn bucket(bytes: &[u8], count: u16) -> u16 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;

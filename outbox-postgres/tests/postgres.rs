@@ -81,21 +81,6 @@ async fn the_password_is_never_in_debug_output() {
     assert!(text.contains("127.0.0.1"), "{text}");
 }
 
-/// Collects everything logged on this thread (the test's current-thread
-/// runtime runs the store's tasks here too).
-#[derive(Clone, Default)]
-struct LogBuffer(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for LogBuffer {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// The README's row "credentials never appear in `Debug`, logs or errors",
 /// for PostgreSQL's logs: everything logged at any level (the store's, the
 /// listener's, sqlx's) while a store with a password in its URL connects,
@@ -103,7 +88,7 @@ impl std::io::Write for LogBuffer {
 /// again, and while another fails to reach a server.
 #[tokio::test]
 async fn logs_never_contain_the_password() {
-    let logs = LogBuffer::default();
+    let logs = outbox_api::testing::LogBuffer::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
@@ -148,17 +133,7 @@ async fn logs_never_contain_the_password() {
     tx.commit().await.unwrap();
     assert_eq!(store.claim(&claim(10)).await.unwrap().len(), 1);
     // The listener's connection is ended: it logs, reconnects, listens again.
-    wait_until("the listener listens", Duration::from_secs(20), || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
-        )
-        .bind(&schema)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-            == 1
-    })
-    .await;
+    listens(&pool, &schema).await;
     sqlx::query(
         "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
     )
@@ -177,7 +152,7 @@ async fn logs_never_contain_the_password() {
     .await
     .unwrap();
     drop(_guard);
-    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let text = logs.text();
     // What was provoked was logged: the listener listened again after its
     // connection was ended.
     assert!(
@@ -484,14 +459,15 @@ async fn notifications_are_debounced() {
     );
 }
 
-/// Waits until `f`'s listener has its one `LISTEN` connection.
-async fn listens(f: &PgUnderTest) {
+/// Waits until the connections named `application_name` hold one `LISTEN`
+/// (a store's listener listens).
+async fn listens(pool: &sqlx::PgPool, application_name: &str) {
     wait_until("the listener listens", Duration::from_secs(20), || async {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
         )
-        .bind(f.schema())
-        .fetch_one(f.pool())
+        .bind(application_name)
+        .fetch_one(pool)
         .await
         .unwrap()
             == 1
@@ -510,7 +486,7 @@ async fn another_processs_commit_wakes_a_listener_through_notify_not_polling() {
     let mut listener = f.pg().listen();
     // Its first connection reports a change (a catch-up claim).
     assert!(listener.wait(Duration::from_secs(10)).await);
-    listens(&f).await;
+    listens(f.pool(), f.schema()).await;
     while listener.wait(Duration::from_millis(50)).await {}
     let other = PgStore::builder(f.url())
         .schema(f.schema())
@@ -574,7 +550,7 @@ async fn the_listener_reports_a_change_after_reconnecting_and_hears_other_proces
     .unwrap();
     assert_eq!(cut, [true], "one LISTEN connection");
     assert!(listener.wait(Duration::from_secs(10)).await);
-    listens(&f).await;
+    listens(f.pool(), f.schema()).await;
     while listener.wait(Duration::from_millis(50)).await {}
     sqlx::query("SELECT pg_notify($1, '')")
         .bind(f.pg().channel())

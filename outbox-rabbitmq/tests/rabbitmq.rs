@@ -624,23 +624,9 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
     assert!(!format!("{lazy:?}").contains(secret));
 }
 
-/// Collects everything logged (at any level) on this thread.
-#[derive(Clone, Default)]
-struct LogBuffer(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for LogBuffer {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 #[tokio::test]
 async fn logs_never_contain_the_password() {
-    let logs = LogBuffer::default();
+    let logs = outbox_api::testing::LogBuffer::default();
     let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::TRACE)
@@ -671,7 +657,7 @@ async fn logs_never_contain_the_password() {
         .await;
     tracing::info!(transport = ?lazy, "debug of a transport");
 
-    let text = String::from_utf8(logs.0.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     assert!(text.contains("connecting to RabbitMQ failed"), "{text}");
     assert!(text.contains(":***@"), "{text}");
     assert!(!text.contains(secret), "{text}");

@@ -197,16 +197,18 @@ impl<D> Held<D> {
     }
 }
 
+/// A delivery tagged `tag` with ordering key `key`, for this module's and
+/// its siblings' unit tests.
+#[cfg(test)]
+pub(super) fn pending(tag: u64, key: Option<&str>) -> Pending<u64> {
+    let mut received = Received::new(crate::MessageId::new(), Vec::new());
+    received.key = key.map(str::to_owned);
+    Pending::new(tag, received)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::MessageId;
-
-    fn pending(tag: u64, key: Option<&str>) -> Pending<u64> {
-        let mut received = Received::new(MessageId::new(), Vec::new());
-        received.key = key.map(str::to_owned);
-        Pending::new(tag, received)
-    }
 
     #[test]
     fn a_delivery_without_a_key_is_its_own_lane() {

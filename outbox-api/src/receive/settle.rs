@@ -140,13 +140,7 @@ impl Attempts {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::receive::Received;
-
-    fn pending(tag: u64, key: Option<&str>) -> Pending<u64> {
-        let mut received = Received::new(MessageId::new(), Vec::new());
-        received.key = key.map(str::to_owned);
-        Pending::new(tag, received)
-    }
+    use crate::receive::lanes::pending;
 
     #[test]
     fn settling_follows_the_outcome_and_the_attempt() {

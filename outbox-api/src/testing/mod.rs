@@ -12,6 +12,7 @@
 pub mod child;
 pub mod consumer;
 pub mod inbox;
+pub mod logs;
 pub mod metrics;
 pub mod proxy;
 pub mod services;
@@ -21,6 +22,7 @@ pub mod transport;
 pub use child::{ChildProcess, selected, until_stdin_closes};
 pub use consumer::{ConsumerSettings, ConsumerUnderTest};
 pub use inbox::InboxUnderTest;
+pub use logs::LogBuffer;
 pub use metrics::TestRecorder;
 pub use proxy::{TcpProxy, percent_encode};
 pub use services::{ServiceSpec, service_url};

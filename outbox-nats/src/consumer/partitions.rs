@@ -39,13 +39,13 @@ pub(super) const RELEASED: &[u8] = b"released";
 /// Checks the partition settings of `b`.
 pub(super) fn validate(b: &NatsConsumerBuilder) -> Result<()> {
     let (index, replicas) = b.replica;
+    outbox_api::partition::check_replica(
+        index,
+        replicas,
+        b.partitions.is_some(),
+        "NatsConsumer::partitioned",
+    )?;
     let Some((filter, count)) = &b.partitions else {
-        if replicas != 1 || index != 0 {
-            return Err(Error::config(
-                "replica",
-                "only partitioned consumers (NatsConsumer::partitioned) have replicas",
-            ));
-        }
         return Ok(());
     };
     outbox_api::partition::check_count("partitions", *count)?;
@@ -68,12 +68,6 @@ pub(super) fn validate(b: &NatsConsumerBuilder) -> Result<()> {
         return Err(Error::config(
             "filter_subject",
             "a partitioned consumer filters by its partitions' subjects; give the filter to NatsConsumer::partitioned",
-        ));
-    }
-    if replicas == 0 || index >= replicas {
-        return Err(Error::config(
-            "replica",
-            format!("index {index} must be below replicas {replicas} (and replicas at least 1)"),
         ));
     }
     for (field, name) in [("durable", &b.durable), ("stream", &b.stream)] {

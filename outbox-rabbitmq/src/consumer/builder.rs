@@ -328,18 +328,12 @@ impl RabbitConsumerBuilder {
             ));
         }
         let (index, replicas) = self.replica;
-        if replicas == 0 || index >= replicas {
-            return Err(Error::config(
-                "replica",
-                format!("needs index < replicas and replicas >= 1 (got {index} of {replicas})"),
-            ));
-        }
-        if replicas > 1 && self.partitions.is_none() {
-            return Err(Error::config(
-                "replica",
-                "only partitioned consumers (RabbitConsumer::partitioned) have replicas",
-            ));
-        }
+        outbox_api::partition::check_replica(
+            index,
+            replicas,
+            self.partitions.is_some(),
+            "RabbitConsumer::partitioned",
+        )?;
         if let Some(p) = &self.partitions {
             let longest = owner_marker(&p.queue(p.count().saturating_sub(1)));
             if longest.len() > MAX_SHORT_STRING {
