@@ -229,12 +229,13 @@ impl Worker {
                 clean = false;
             }
         }
-        if !back.is_empty() {
-            // A server that does not answer cannot have them back.
-            let flushed = tokio::time::timeout(Duration::from_secs(1), client.flush()).await;
-            if !matches!(flushed, Ok(Ok(()))) {
-                clean = false;
-            }
+        // Always: the acknowledgements of the last messages handled, and
+        // the `nak`s above, are still in the client's buffer, and the
+        // connection may close right after. A server that does not answer
+        // cannot have them.
+        let flushed = tokio::time::timeout(Duration::from_secs(1), client.flush()).await;
+        if !matches!(flushed, Ok(Ok(()))) {
+            clean = false;
         }
         if !back.is_empty() {
             tracing::debug!(consumer = %self.settings.durable, given_back = back.len(), clean, "gave unsettled messages back to the server");
