@@ -15,6 +15,16 @@ pub const NATS: outbox_api::testing::ServiceSpec = outbox_api::testing::ServiceS
     local_url: "nats://127.0.0.1:4222",
     local_addr: ([127, 0, 0, 1], 4222),
     setup: "started with JetStream: nats-server -js",
+    container: outbox_api::testing::ContainerSpec {
+        image_variable: "OUTBOX_NATS_IMAGE",
+        image: "nats:2",
+        port: 4222,
+        extra_ports: 0,
+        env: &[],
+        cmd: &["-js", "-p", "{port}", "-sd", "/tmp/nats"],
+        ready: "Server is ready",
+        url: "nats://{host}:{port}",
+    },
 };
 
 /// The server for a test ([`NATS`]).

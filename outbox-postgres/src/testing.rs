@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
-use outbox_api::testing::{InboxUnderTest, ServiceSpec, StoreUnderTest, service_url};
+use outbox_api::testing::{
+    ContainerSpec, InboxUnderTest, ServiceSpec, StoreUnderTest, service_url,
+};
 use std::time::Duration;
 
 use outbox_api::{
@@ -25,6 +27,20 @@ pub const POSTGRES: ServiceSpec = ServiceSpec {
     local_url: "postgres://postgres@127.0.0.1:5432/test",
     local_addr: ([127, 0, 0, 1], 5432),
     setup: "database `test`, user `postgres` with trust authentication",
+    container: ContainerSpec {
+        image_variable: "OUTBOX_PG_IMAGE",
+        image: "postgres:15",
+        port: 5432,
+        extra_ports: 0,
+        env: &[
+            ("POSTGRES_HOST_AUTH_METHOD", "trust"),
+            ("POSTGRES_DB", "test"),
+            ("PGPORT", "{port}"),
+        ],
+        cmd: &[],
+        ready: "database system is ready to accept connections",
+        url: "postgres://postgres@{host}:{port}/test",
+    },
 };
 
 /// The test database's URL ([`POSTGRES`]); otherwise the test fails saying

@@ -25,6 +25,28 @@ pub const RABBITMQ: outbox_api::testing::ServiceSpec = outbox_api::testing::Serv
     local_url: "amqp://guest:guest@127.0.0.1:5672/%2f",
     local_addr: ([127, 0, 0, 1], 5672),
     setup: "",
+    // On a host network every port the broker opens must be its own: the
+    // AMQP port, its node name, Erlang distribution and epmd, and the
+    // management and Prometheus listeners of the official image.
+    container: outbox_api::testing::ContainerSpec {
+        image_variable: "OUTBOX_RABBITMQ_IMAGE",
+        image: "rabbitmq:3-management",
+        port: 5672,
+        extra_ports: 4,
+        env: &[
+            ("RABBITMQ_NODE_PORT", "{port}"),
+            ("RABBITMQ_NODENAME", "outbox{port}@localhost"),
+            ("RABBITMQ_DIST_PORT", "{port1}"),
+            ("ERL_EPMD_PORT", "{port2}"),
+            (
+                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
+                "-rabbitmq_management tcp_config [{port,{port3}}] -rabbitmq_prometheus tcp_config [{port,{port4}}]",
+            ),
+        ],
+        cmd: &[],
+        ready: "Server startup complete",
+        url: "amqp://guest:guest@{host}:{port}/%2f",
+    },
 };
 
 /// The broker for a test ([`RABBITMQ`]).

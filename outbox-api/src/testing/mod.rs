@@ -11,6 +11,8 @@
 
 pub mod child;
 pub mod consumer;
+#[cfg(feature = "containers")]
+pub mod containers;
 pub mod inbox;
 pub mod logs;
 pub mod metrics;
@@ -25,7 +27,7 @@ pub use inbox::InboxUnderTest;
 pub use logs::LogBuffer;
 pub use metrics::TestRecorder;
 pub use proxy::{TcpProxy, percent_encode};
-pub use services::{ServiceSpec, service_url};
+pub use services::{ContainerSpec, ServiceSpec, service_url};
 pub use store::StoreUnderTest;
 pub use transport::TransportUnderTest;
 
