@@ -1,5 +1,8 @@
-//! [`OwnPostgres`]: a PostgreSQL server of the test's own, in a temporary
-//! directory, that the test may crash and start again.
+//! [`OwnPostgres`]: a PostgreSQL server of the test's own, that the test
+//! may crash and start again: the locally installed server in a temporary
+//! directory ([`LocalPostgres`]), or a container of its own
+//! ([`OwnContainer`]) — with `OUTBOX_TEST_SERVICES=containers`, or where no
+//! server binaries are installed and a Docker engine answers.
 //!
 //! A test that stops, restarts or crashes a server must never do it to a
 //! server others use (the shared one of `OUTBOX_PG_URL`, other tests'
@@ -19,6 +22,100 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
+
+use outbox_api::testing::containers::OwnContainer;
+use outbox_api::testing::services::Mode;
+
+/// A PostgreSQL server of the test's own: local binaries or a container
+/// (see the module's documentation). Dropping it stops and removes it.
+#[derive(Debug)]
+pub enum OwnPostgres {
+    /// The locally installed server, in a temporary directory.
+    Local(LocalPostgres),
+    /// A container of the test's own.
+    Container(Box<OwnContainer>),
+}
+
+/// The server options of every own server: `fsync` on (a crash must lose
+/// only what was never flushed) and room for many relays.
+const CONTAINER_OPTIONS: &[&str] = &["postgres", "-c", "fsync=on", "-c", "max_connections=200"];
+
+impl OwnPostgres {
+    /// Starts a server of the test's own with the database [`DATABASE`]:
+    /// a container when `OUTBOX_TEST_SERVICES=containers`, else the local
+    /// binaries, else a container when a Docker engine answers. `Err`
+    /// names what failed, or every way to provide one.
+    pub fn new() -> Result<OwnPostgres, String> {
+        let container = || {
+            OwnContainer::start_new(&outbox_postgres::testing::POSTGRES, CONTAINER_OPTIONS)
+                .map(|c| OwnPostgres::Container(Box::new(c)))
+        };
+        if Mode::from_env()? == Mode::Containers {
+            return container();
+        }
+        match server_binaries() {
+            Ok(_) => LocalPostgres::new().map(OwnPostgres::Local),
+            Err(no_binaries) => container().map_err(|no_container| {
+                format!("{no_binaries}; or run a Docker engine for a container of its own ({no_container})")
+            }),
+        }
+    }
+
+    /// The URL of the database [`DATABASE`], as user `postgres`, no password.
+    pub fn url(&self) -> String {
+        match self {
+            OwnPostgres::Local(s) => s.url(),
+            OwnPostgres::Container(c) => c.url().to_owned(),
+        }
+    }
+
+    /// The server's whole log, every start.
+    pub fn log_text(&self) -> String {
+        match self {
+            OwnPostgres::Local(s) => s.log_text(),
+            OwnPostgres::Container(c) => c.logs().unwrap_or_else(|e| format!("(no log: {e})")),
+        }
+    }
+
+    /// The last `n` lines of the server's log, for failure messages.
+    pub fn log_tail(&self, n: usize) -> String {
+        match self {
+            OwnPostgres::Local(s) => s.log_tail(n),
+            OwnPostgres::Container(_) => {
+                let text = self.log_text();
+                let lines: Vec<&str> = text.lines().collect();
+                lines[lines.len().saturating_sub(n)..].join("\n")
+            }
+        }
+    }
+
+    /// Crashes the server: every server process ends at once, without a
+    /// checkpoint (`pg_ctl stop -m immediate`; SIGKILL to a container).
+    pub fn crash(&mut self) -> Result<(), String> {
+        match self {
+            OwnPostgres::Local(s) => s.crash(),
+            OwnPostgres::Container(c) => c.crash(),
+        }
+    }
+
+    /// Starts the server after a [`crash`](Self::crash) (it recovers by
+    /// replaying the WAL) and waits until it accepts connections.
+    pub fn start(&mut self) -> Result<(), String> {
+        match self {
+            OwnPostgres::Local(s) => s.start(),
+            OwnPostgres::Container(c) => c.start(),
+        }
+    }
+
+    /// Restarts the server cleanly (a fast shutdown: sessions ended, a
+    /// checkpoint written) and waits until it accepts connections again.
+    pub fn restart(&mut self) -> Result<(), String> {
+        match self {
+            OwnPostgres::Local(s) => s.restart(),
+            OwnPostgres::Container(c) => c.restart(),
+        }
+    }
+}
 
 /// The database [`OwnPostgres::new`] creates, which [`OwnPostgres::url`]
 /// names.
@@ -109,7 +206,7 @@ fn said(out: &Output) -> String {
 /// its directory, so that a test never leaves a server behind — also when
 /// it panics.
 #[derive(Debug)]
-pub struct OwnPostgres {
+pub struct LocalPostgres {
     bin: PathBuf,
     dir: tempfile::TempDir,
     port: u16,
@@ -120,14 +217,14 @@ pub struct OwnPostgres {
     running: bool,
 }
 
-impl OwnPostgres {
+impl LocalPostgres {
     /// Initialises a cluster in a new temporary directory, starts it on a
     /// free port of 127.0.0.1 and creates the database [`DATABASE`].
     ///
     /// `Err` names what failed: no server binaries (and how to install
     /// them), `initdb`, the start (with the end of the server's log), or
     /// creating the database.
-    pub fn new() -> Result<OwnPostgres, String> {
+    pub fn new() -> Result<LocalPostgres, String> {
         let bin = server_binaries()?;
         let as_postgres = effective_uid_is_root();
         // As root the server runs as `postgres`, which must reach the
@@ -141,7 +238,7 @@ impl OwnPostgres {
             .prefix("outbox-own-pg-")
             .tempdir_in(&base)
             .map_err(|e| format!("creating a temporary directory in {}: {e}", base.display()))?;
-        let mut server = OwnPostgres {
+        let mut server = LocalPostgres {
             bin,
             dir,
             port: free_port()?,
@@ -208,6 +305,11 @@ impl OwnPostgres {
     /// The server's log file.
     pub fn log(&self) -> PathBuf {
         self.dir.path().join("server.log")
+    }
+
+    /// The server's whole log.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(self.log()).unwrap_or_default()
     }
 
     /// The last `n` lines of the server's log, for failure messages (the
@@ -363,7 +465,7 @@ impl OwnPostgres {
     }
 }
 
-impl Drop for OwnPostgres {
+impl Drop for LocalPostgres {
     fn drop(&mut self) {
         if !self.running {
             return;

@@ -296,8 +296,8 @@ async fn relays_and_application_survive_two_server_crashes() {
         .await
         .unwrap();
     }
-    let recoveries = std::fs::read_to_string(server.log())
-        .unwrap_or_default()
+    let recoveries = server
+        .log_text()
         .matches("automatic recovery in progress")
         .count();
 

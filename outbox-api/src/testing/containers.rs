@@ -32,10 +32,12 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use testcontainers::bollard::Docker;
 use testcontainers::bollard::models::ContainerStateStatusEnum;
-use testcontainers::bollard::query_parameters::{LogsOptions, RemoveContainerOptions};
+use testcontainers::bollard::query_parameters::{
+    KillContainerOptions, LogsOptions, RemoveContainerOptions, RestartContainerOptions,
+};
 use testcontainers::core::{IntoContainerPort, WaitFor};
 use testcontainers::runners::SyncRunner;
-use testcontainers::{GenericImage, ImageExt};
+use testcontainers::{Container, GenericImage, ImageExt};
 
 use super::services::{ContainerSpec, ServiceSpec};
 
@@ -142,8 +144,14 @@ fn start_or_reuse(spec: &ServiceSpec) -> Result<String, Unavailable> {
             return Ok(url);
         }
         let host_network = rt.block_on(host_networking(&docker))?;
-        match start(spec, &image, &name, host_network) {
-            Ok(url) => return Ok(url),
+        match launch(spec, &image, &name, host_network, &[]) {
+            Ok((container, url)) => {
+                // The container outlives this process, shared with the
+                // run's other test processes and with later runs (see the
+                // module's documentation): dropping the handle would remove it.
+                std::mem::forget(container);
+                return Ok(url);
+            }
             // Another process started one of that name first: use it once it is up.
             Err(e) if e.contains("Conflict") || e.contains("already in use") => {
                 if Instant::now() > deadline {
@@ -251,12 +259,16 @@ fn free_port() -> Result<u16, String> {
         .map_err(|e| format!("choosing a free port: {e}"))
 }
 
-fn start(
+/// A container of `spec`'s server named `name`, started and answering:
+/// its handle (dropping it removes the container) and URL. `extra_cmd`
+/// follows the image's arguments.
+fn launch(
     spec: &ServiceSpec,
     image: &str,
     name: &str,
     host_network: bool,
-) -> Result<String, String> {
+    extra_cmd: &[&str],
+) -> Result<(Container<GenericImage>, String), String> {
     let c = &spec.container;
     let host_ports = (0..=c.extra_ports)
         .map(|_| free_port())
@@ -288,8 +300,9 @@ fn start(
     for (key, value) in c.env {
         request = request.with_env_var(*key, fill(value, "127.0.0.1", &inner_ports));
     }
-    if !c.cmd.is_empty() {
-        request = request.with_cmd(c.cmd.iter().map(|a| fill(a, "127.0.0.1", &inner_ports)));
+    if !c.cmd.is_empty() || !extra_cmd.is_empty() {
+        let cmd = c.cmd.iter().chain(extra_cmd);
+        request = request.with_cmd(cmd.map(|a| fill(a, "127.0.0.1", &inner_ports)));
     }
     request = if host_network {
         request.with_network("host")
@@ -301,10 +314,6 @@ fn start(
         .start()
         .map_err(|e| format!("starting {name} from image {image}: {e}"))?;
     let id = container.id().to_owned();
-    // The container outlives this process, shared with the run's other test
-    // processes and with later runs (see the module's documentation):
-    // dropping the handle would remove it.
-    std::mem::forget(container);
     wait_until_it_answers(&url, Instant::now() + STARTUP)?;
     say(&format!(
         "services: {} — started container {name} ({}) from image {image} on {} network in {:.1} s: {url}",
@@ -313,7 +322,204 @@ fn start(
         if host_network { "the host" } else { "a bridge" },
         started.elapsed().as_secs_f64()
     ));
-    Ok(url)
+    Ok((container, url))
+}
+
+/// A server in a container of a test's own, for a test that crashes or
+/// restarts it (never the shared one): a fresh name, its own free ports,
+/// removed when dropped (also when the test panics).
+///
+/// Every method runs on a thread of its own, so it may be called from a
+/// test's runtime (inside `block_in_place`) as from plain code.
+pub struct OwnContainer {
+    name: String,
+    url: String,
+    ready: &'static str,
+    container: Option<Container<GenericImage>>,
+}
+
+impl std::fmt::Debug for OwnContainer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OwnContainer")
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Runs `f` with a Docker client on a current-thread runtime, on a thread
+/// of its own (no runtime may start inside a test's).
+fn with_docker<T: Send>(
+    f: impl FnOnce(&tokio::runtime::Runtime, &Docker) -> Result<T, String> + Send,
+) -> Result<T, String> {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let rt = runtime().map_err(|e| format!("{e:?}"))?;
+                let docker = Docker::connect_with_defaults()
+                    .map_err(|e| format!("no Docker client configuration: {e}"))?;
+                f(&rt, &docker)
+            })
+            .join()
+            .unwrap_or_else(|_| Err("a Docker call panicked".into()))
+    })
+}
+
+impl OwnContainer {
+    /// Starts `spec`'s server (its image as [`image`] chooses) in a new
+    /// container with `extra_cmd` after the image's arguments, and waits
+    /// until it answers. `Err` says why: no engine, or the start failed.
+    pub fn start_new(spec: &ServiceSpec, extra_cmd: &[&str]) -> Result<Self, String> {
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let image = image(&spec.container);
+        let name = format!(
+            "{}-own-{}-{}",
+            container_name(spec.name, &image),
+            std::process::id(),
+            NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        );
+        let host_network = with_docker(|rt, docker| {
+            rt.block_on(async {
+                tokio::time::timeout(Duration::from_secs(5), docker.ping())
+                    .await
+                    .map_err(|_| "no Docker engine answered within 5 s".to_owned())?
+                    .map_err(|e| format!("no Docker engine answered: {e}"))?;
+                host_networking(docker).await.map_err(|e| format!("{e:?}"))
+            })
+        })?;
+        let spec = *spec;
+        let (container, url) = std::thread::scope(|scope| {
+            scope
+                .spawn(|| launch(&spec, &image, &name, host_network, extra_cmd))
+                .join()
+                .unwrap_or_else(|_| Err("starting the container panicked".into()))
+        })?;
+        Ok(Self {
+            name,
+            url,
+            ready: spec.container.ready,
+            container: Some(container),
+        })
+    }
+
+    /// The server's URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The container's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Everything the server printed so far, both streams, every start.
+    pub fn logs(&self) -> Result<String, String> {
+        with_docker(|rt, docker| {
+            rt.block_on(async {
+                let mut logs = docker.logs(
+                    &self.name,
+                    Some(LogsOptions {
+                        stdout: true,
+                        stderr: true,
+                        ..Default::default()
+                    }),
+                );
+                let mut text = String::new();
+                while let Some(chunk) = logs.next().await {
+                    let chunk = chunk.map_err(|e| format!("the logs of {}: {e}", self.name))?;
+                    text.push_str(&String::from_utf8_lossy(&chunk.into_bytes()));
+                }
+                Ok(text)
+            })
+        })
+    }
+
+    /// Crashes the server: SIGKILL to the container's first process, so
+    /// every process of the container ends at once, as in a power cut of
+    /// the server alone.
+    pub fn crash(&self) -> Result<(), String> {
+        with_docker(|rt, docker| {
+            rt.block_on(docker.kill_container(
+                &self.name,
+                Some(KillContainerOptions {
+                    signal: "SIGKILL".into(),
+                }),
+            ))
+            .map_err(|e| format!("killing {}: {e}", self.name))?;
+            // Wait until the engine has seen it end.
+            rt.block_on(async {
+                let deadline = Instant::now() + STARTUP;
+                loop {
+                    let running = docker
+                        .inspect_container(&self.name, None)
+                        .await
+                        .ok()
+                        .and_then(|c| c.state.and_then(|s| s.running))
+                        .unwrap_or(false);
+                    if !running {
+                        return Ok(());
+                    }
+                    if Instant::now() > deadline {
+                        return Err(format!("{} still runs after SIGKILL", self.name));
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+        })
+    }
+
+    /// Starts the container again (after [`crash`](Self::crash)) and waits
+    /// until the server has printed its ready line once more and answers.
+    pub fn start(&self) -> Result<(), String> {
+        let before = self.logs()?.matches(self.ready).count();
+        with_docker(|rt, docker| {
+            rt.block_on(docker.start_container(&self.name, None))
+                .map_err(|e| format!("starting {} again: {e}", self.name))
+        })?;
+        self.wait_for_ready_line(before)
+    }
+
+    /// Restarts the server cleanly (SIGTERM, then a start) and waits until
+    /// it answers again.
+    pub fn restart(&self) -> Result<(), String> {
+        let before = self.logs()?.matches(self.ready).count();
+        with_docker(|rt, docker| {
+            rt.block_on(docker.restart_container(
+                &self.name,
+                Some(RestartContainerOptions {
+                    t: Some(30),
+                    ..Default::default()
+                }),
+            ))
+            .map_err(|e| format!("restarting {}: {e}", self.name))
+        })?;
+        self.wait_for_ready_line(before)
+    }
+
+    fn wait_for_ready_line(&self, before: usize) -> Result<(), String> {
+        let deadline = Instant::now() + STARTUP;
+        while self.logs()?.matches(self.ready).count() <= before {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "{} did not print {:?} again within {STARTUP:?}",
+                    self.name, self.ready
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        wait_until_it_answers(&self.url, deadline)
+    }
+}
+
+impl Drop for OwnContainer {
+    fn drop(&mut self) {
+        if let Some(container) = self.container.take() {
+            // Removing it runs testcontainers' own runtime: on a thread of its own.
+            std::thread::scope(|scope| {
+                let _ = scope.spawn(move || drop(container)).join();
+            });
+        }
+    }
 }
 
 /// Waits until the server in `url` accepts TCP connections (a server that

@@ -1,6 +1,8 @@
 #!/bin/sh
 # Initialises a cluster on first start, as the official image does, then
-# runs the server in the foreground (its log on standard error).
+# runs the server in the foreground as the container's first process (its
+# log on standard error). Arguments are the server's, as with the official
+# image: `postgres -c fsync=on …` (a leading `postgres` is the server itself).
 set -eu
 bin=/usr/lib/postgresql/15/bin
 user=${POSTGRES_USER:-postgres}
@@ -22,4 +24,5 @@ CREATE DATABASE "$db" OWNER "$user";
 SQL
   fi
 fi
-exec su postgres -c "exec $bin/postgres -D '$PGDATA' -p '$PGPORT'"
+if [ "${1:-}" = postgres ]; then shift; fi
+exec setpriv --reuid=postgres --regid=postgres --init-groups "$bin/postgres" -D "$PGDATA" -p "$PGPORT" "$@"
