@@ -175,6 +175,36 @@ pub struct ServeArgs {
         allow_hyphen_values = true
     )]
     pub backlog_alert: Duration,
+    /// Log lines on standard error (filtered by `RUST_LOG`, default:
+    /// warnings) as text or as JSON objects, one a line.
+    #[arg(long, value_enum, env = "OUTBOX_LOG_FORMAT", default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// How `outbox serve` writes its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object a line (with the span each was logged in).
+    Json,
+}
+
+impl LogFormat {
+    /// Installs the process's log subscriber: standard error, `RUST_LOG`
+    /// (default: warnings), in this format.
+    pub fn install(self) {
+        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let logs = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr);
+        // Another subscriber already installed (a test harness) keeps its own.
+        let _ = match self {
+            LogFormat::Text => logs.try_init(),
+            LogFormat::Json => logs.json().with_current_span(true).try_init(),
+        };
+    }
 }
 
 impl ServeArgs {

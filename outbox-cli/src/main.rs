@@ -227,6 +227,7 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
         Command::Serve(args) => {
             // Refused before the database is even opened.
             commands::check_serve_args(&args)?;
+            args.log_format.install();
             with_outbox(&target?, async |o| commands::serve(o, &args).await).await
         }
         Command::Purge { older_than } => {

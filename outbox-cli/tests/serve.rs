@@ -125,3 +125,40 @@ async fn serve_with_a_token_from_the_environment_requires_it() {
     assert!(body.contains(">outbox</a>"), "{body}");
     assert!(!body.contains(TOKEN), "the token is never shown");
 }
+
+#[tokio::test]
+async fn serve_logs_json_lines_when_asked() {
+    use std::io::{BufRead, BufReader};
+    let (_dir, path) = db().await;
+    let mut cmd = command(&path);
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--log-format", "json"])
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut child = cmd.spawn().expect("start outbox serve");
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    // The console's own line saying where it listens, as one JSON object.
+    let line = rx.recv_timeout(std::time::Duration::from_secs(30));
+    let _ = child.kill();
+    let _ = child.wait();
+    let line = line.expect("a log line within 30 s");
+    let logged: serde_json::Value =
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+    assert_eq!(logged["level"], "INFO", "{line}");
+    assert!(
+        logged["fields"]["message"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("outbox console listening on http://127.0.0.1:")),
+        "{line}"
+    );
+    assert!(
+        logged["timestamp"].is_string() && logged["target"].is_string(),
+        "{line}"
+    );
+}

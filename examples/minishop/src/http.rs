@@ -7,13 +7,14 @@ use std::time::Duration;
 
 use axum::extract::rejection::{JsonRejection, PathRejection};
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, header};
+use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use serde::Deserialize;
 use serde_json::json;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::fail::{Context, Fail};
@@ -109,10 +110,32 @@ fn render_metrics(metrics: &PrometheusHandle) -> Response {
         .into_response()
 }
 
+/// The span of one `POST /orders`: a child of the request's W3C
+/// `traceparent` when it carries a valid one, else the root of a new trace.
+/// Every message of the order's saga carries its trace (the outbox stores
+/// the enqueuing span's context and continues it in each delivery).
+fn request_span(headers: &HeaderMap) -> tracing::Span {
+    let span = tracing::info_span!(
+        "POST /orders",
+        http.request.method = "POST",
+        http.route = "/orders",
+        otel.kind = "server",
+    );
+    let traceparent = headers.get("traceparent").and_then(|v| v.to_str().ok());
+    outbox::trace::continue_trace(&span, traceparent);
+    span
+}
+
 async fn place_order(
     State(shop): State<Arc<Shop>>,
+    headers: HeaderMap,
     body: Result<Json<NewOrder>, JsonRejection>,
 ) -> Response {
+    let span = request_span(&headers);
+    place_order_in(shop, body).instrument(span).await
+}
+
+async fn place_order_in(shop: Arc<Shop>, body: Result<Json<NewOrder>, JsonRejection>) -> Response {
     let Json(order) = match body {
         Ok(b) => b,
         Err(e) => return error(e.status(), e.body_text()),

@@ -28,6 +28,7 @@ use outbox::receive::{InboxHandler, Received};
 use outbox::sqlite::sqlx::SqliteConnection;
 use outbox::sqlite::{InboxOutcome, SqliteOutbox};
 use outbox::{HandlerError, Message, MessageId, Outcome, Transport};
+use tracing::Instrument;
 
 use crate::db::{Conn, ModuleDb};
 
@@ -106,6 +107,22 @@ impl EmbeddedBus {
     }
 }
 
+/// The span a module receives `m` in: a child of the span that enqueued it
+/// (its `trace_parent`), as a broker consumer's `outbox.receive` span is,
+/// so that the receiving module's replies carry the same trace.
+fn receive_span(m: &Message) -> tracing::Span {
+    let span = tracing::info_span!(
+        "outbox.receive",
+        message.id = %m.id,
+        message.type = %m.message_type,
+        message.key = m.key.as_deref(),
+        trace_parent = m.trace_parent.as_deref(),
+        consumer = "embedded bus",
+    );
+    outbox::trace::continue_trace(&span, m.trace_parent.as_deref());
+    span
+}
+
 #[async_trait]
 impl Transport for EmbeddedBus {
     async fn send(&self, batch: &[Message]) -> Vec<Outcome> {
@@ -116,7 +133,10 @@ impl Transport for EmbeddedBus {
                     "no module subscribes to message type `{}`",
                     m.message_type
                 )),
-                Some(module) => match receive(&**module, m.id, &m.message_type, &m.payload).await {
+                Some(module) => match receive(&**module, m.id, &m.message_type, &m.payload)
+                    .instrument(receive_span(m))
+                    .await
+                {
                     InboxOutcome::Committed | InboxOutcome::Duplicate => Outcome::Delivered,
                     InboxOutcome::HandlerFailed(e) => Outcome::Rejected(e),
                     // Not the message's fault: sent again later, uncounted.

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering as AtomicOrdering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::fail::Fail;
@@ -146,7 +147,11 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
                     tokio::time::sleep_until(due.into()).await;
                 }
                 let (customer, sku, qty) = order_for(i);
-                let id = match ordering.place_order(&customer, sku, qty, true).await {
+                // Each order's saga is one trace, rooted here (over HTTP, in
+                // the request's span).
+                let span = tracing::info_span!("minishop.place_order", order.index = i);
+                let placing = ordering.place_order(&customer, sku, qty, true);
+                let id = match placing.instrument(span).await {
                     Ok((id, _)) => id,
                     Err(PlaceError::Invalid(e)) => return Err(Fail(e.0)),
                     Err(PlaceError::Store(e)) => {

@@ -67,6 +67,106 @@ use crate::fail::Fail;
 use crate::load::LoadOptions;
 use crate::shop::{Bus, Modules, Shop};
 
+/// How log lines look.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines (the default).
+    Text,
+    /// One JSON object a line, with the spans it was logged in (a
+    /// delivery's span holds the message's `trace_parent`, hence its trace id).
+    Json,
+}
+
+/// Whether spans go out over OTLP: the standard variables
+/// `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`
+/// are set, and `OTEL_TRACES_EXPORTER` does not say `none`.
+fn otlp_configured() -> bool {
+    let set = |v: &str| std::env::var(v).is_ok_and(|v| !v.trim().is_empty());
+    (set("OTEL_EXPORTER_OTLP_ENDPOINT") || set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+        && std::env::var("OTEL_TRACES_EXPORTER").map_or(true, |v| v.trim() != "none")
+}
+
+/// The OpenTelemetry tracer provider: spans batched to an OTLP/HTTP
+/// exporter when [`otlp_configured`] (endpoint, protocol — `http/protobuf`
+/// or `http/json` —, headers and timeout from the standard `OTEL_*`
+/// variables; the service is `minishop` unless `OTEL_SERVICE_NAME` says
+/// otherwise), else kept in the process only (messages still carry their
+/// trace context).
+fn tracer_provider() -> Result<opentelemetry_sdk::trace::SdkTracerProvider, Fail> {
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if std::env::var("OTEL_SERVICE_NAME").is_err() {
+        resource = resource.with_service_name("minishop");
+    }
+    let mut builder =
+        opentelemetry_sdk::trace::SdkTracerProvider::builder().with_resource(resource.build());
+    if otlp_configured() {
+        use opentelemetry_otlp::WithExportConfig as _;
+        let protocol = match std::env::var("OTEL_EXPORTER_OTLP_PROTOCOL").as_deref() {
+            Ok("http/json") => opentelemetry_otlp::Protocol::HttpJson,
+            Ok("http/protobuf") | Err(_) => opentelemetry_otlp::Protocol::HttpBinary,
+            Ok(other) => {
+                return Err(Fail(format!(
+                    "OTEL_EXPORTER_OTLP_PROTOCOL={other}: MiniShop exports over OTLP/HTTP: \
+                     http/protobuf (the default) or http/json"
+                )));
+            }
+        };
+        let exporter = opentelemetry_otlp::SpanExporter::builder()
+            .with_http()
+            .with_protocol(protocol)
+            .build()
+            .map_err(|e| Fail(format!("the OTLP span exporter: {e}")))?;
+        builder = builder.with_batch_exporter(exporter);
+    }
+    Ok(builder.build())
+}
+
+/// Logs on standard error, filtered by `RUST_LOG` (default: warnings), in
+/// `format`; and the spans of requests and deliveries, whatever the log
+/// filter, to OpenTelemetry, so that each message enqueued carries the
+/// trace of the request or delivery it was enqueued in (and, with OTLP
+/// configured, the spans are exported). Returns the provider, to flush at
+/// exit.
+fn init_tracing(format: LogFormat) -> Result<opentelemetry_sdk::trace::SdkTracerProvider, Fail> {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::Layer as _;
+    use tracing_subscriber::filter::FilterExt as _;
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    // Events as RUST_LOG says; spans at info whatever it says, so that each
+    // line names the request or delivery (and so the trace) it belongs to.
+    let filter = || {
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(
+                |_| // The relays report an unavailable transport themselves;
+                // the RabbitMQ transport's own retry chatter stays quiet.
+                tracing_subscriber::EnvFilter::new("warn,outbox_rabbitmq::transport=error"),
+            )
+            .or(tracing_subscriber::filter::filter_fn(|m| {
+                m.is_span() && *m.level() <= tracing::Level::INFO
+            }))
+    };
+    let logs = match format {
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(filter())
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_current_span(true)
+            .with_span_list(true)
+            .with_writer(std::io::stderr)
+            .with_filter(filter())
+            .boxed(),
+    };
+    let provider = tracer_provider()?;
+    let spans = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("minishop"))
+        .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    tracing_subscriber::registry().with(logs).with(spans).init();
+    Ok(provider)
+}
+
 /// Which modules a process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Role {
@@ -86,6 +186,11 @@ enum Role {
 #[derive(Debug, Parser)]
 #[command(name = "minishop", version)]
 struct Args {
+    /// Log lines as text or as JSON objects (with the spans they were
+    /// logged in: a delivery's holds its message's trace).
+    #[arg(long, value_enum, env = "MINISHOP_LOG_FORMAT", default_value = "text")]
+    log_format: LogFormat,
+
     /// Where the two SQLite databases live (ordering.db, warehouse.db).
     /// Not used with --postgres.
     #[arg(long, value_name = "DIR", default_value = "./minishop-data")]
@@ -401,16 +506,13 @@ async fn serve_or_load(
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(
-                |_| // The relays report an unavailable transport themselves;
-                    // the RabbitMQ transport's own retry chatter stays quiet.
-                    tracing_subscriber::EnvFilter::new("warn,outbox_rabbitmq::transport=error"),
-            ),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let provider = match init_tracing(args.log_format) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     std::panic::set_hook(Box::new(|info| {
         let location = info
             .location()
@@ -434,13 +536,18 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(args)) {
+    let code = match runtime.block_on(run(args)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }
+    };
+    // The spans not yet exported go out before the process ends.
+    if let Err(e) = provider.shutdown() {
+        eprintln!("warning: exporting the last spans: {e}");
     }
+    code
 }
 
 #[cfg(test)]
