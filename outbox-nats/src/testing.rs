@@ -62,12 +62,45 @@ pub fn server_addr(url: &str) -> SocketAddr {
 /// A `nats-server -js` of a test's own, on a free port of `127.0.0.1`,
 /// storing into a directory of its own, for tests that stop and restart the
 /// server (never the shared one). Stopped when dropped.
+///
+/// With the feature `containers`, the server is a container of the test's
+/// own instead (its store inside the container, kept across a kill) when
+/// `OUTBOX_TEST_SERVICES=containers`, or when no `nats-server` is installed
+/// and a Docker engine answers.
 #[derive(Debug)]
 pub struct OwnNats {
     port: u16,
     store: PathBuf,
     log: PathBuf,
     child: Option<Child>,
+    #[cfg(feature = "containers")]
+    container: Option<OwnContainer>,
+}
+
+#[cfg(feature = "containers")]
+use outbox_api::testing::containers::OwnContainer;
+
+/// A container for [`OwnNats`], if one is wanted and can be had: `Err`
+/// when one is wanted (or needed) and cannot be started.
+#[cfg(feature = "containers")]
+fn own_container() -> Option<OwnContainer> {
+    use outbox_api::testing::services::Mode;
+    let forced = Mode::from_env().unwrap_or_else(|e| panic!("{e}")) == Mode::Containers;
+    let installed = Command::new("nats-server")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !forced && installed {
+        return None;
+    }
+    match OwnContainer::start_new(&NATS, &[]) {
+        Ok(c) => Some(c),
+        Err(e) if forced => panic!("a NATS container of the test's own: {e}"),
+        Err(e) => panic!(
+            "this test runs a NATS server of its own: install nats-server (Debian: apt-get \
+             install nats-server) or run a Docker engine for a container ({e})"
+        ),
+    }
 }
 
 impl OwnNats {
@@ -82,11 +115,24 @@ impl OwnNats {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
+        #[cfg(feature = "containers")]
+        if let Some(container) = own_container() {
+            let port = server_addr(container.url()).port();
+            return OwnNats {
+                port,
+                store: dir.join("jetstream"),
+                log: dir.join("nats-server.log"),
+                child: None,
+                container: Some(container),
+            };
+        }
         let mut own = OwnNats {
             port,
             store: dir.join("jetstream"),
             log: dir.join("nats-server.log"),
             child: None,
+            #[cfg(feature = "containers")]
+            container: None,
         };
         own.restart();
         own
@@ -105,6 +151,12 @@ impl OwnNats {
     /// Stops it at once (SIGKILL): what it had not written to its store is
     /// gone, as in a crash.
     pub fn kill(&mut self) {
+        #[cfg(feature = "containers")]
+        if let Some(c) = &self.container {
+            // Already ended is fine: a kill of a stopped server is a no-op.
+            let _ = c.crash();
+            return;
+        }
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
@@ -118,6 +170,12 @@ impl OwnNats {
     /// As [`start`](Self::start).
     pub fn restart(&mut self) {
         self.kill();
+        #[cfg(feature = "containers")]
+        if let Some(c) = &self.container {
+            c.start()
+                .unwrap_or_else(|e| panic!("starting the NATS container again: {e}"));
+            return;
+        }
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
