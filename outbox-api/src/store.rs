@@ -392,6 +392,10 @@ pub struct ListQuery {
     pub state: Option<MessageState>,
     /// Only messages of this type.
     pub message_type: Option<String>,
+    /// Only messages whose `trace_parent` carries this trace id (32
+    /// lowercase hex digits, as [`trace::trace_id_of`](crate::trace::trace_id_of)
+    /// reads it): one operation's messages, a saga.
+    pub trace_id: Option<String>,
     /// At most this many (oldest first); `0` means the backend default (100).
     pub limit: usize,
     /// Skips this many matching messages first (paging: page `n` of size
@@ -414,6 +418,12 @@ impl ListQuery {
     /// Only messages of `message_type`.
     pub fn message_type(mut self, message_type: impl Into<String>) -> Self {
         self.message_type = Some(message_type.into());
+        self
+    }
+
+    /// Only messages of the trace `trace_id` (32 lowercase hex digits).
+    pub fn trace_id(mut self, trace_id: impl Into<String>) -> Self {
+        self.trace_id = Some(trace_id.into());
         self
     }
 

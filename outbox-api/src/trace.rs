@@ -14,6 +14,21 @@ pub fn current_traceparent() -> Option<String> {
     imp::current()
 }
 
+/// The trace id (32 lowercase hex digits) inside a W3C `traceparent`
+/// (`00-<trace id>-<span id>-<flags>`), if it is one.
+pub fn trace_id_of(traceparent: &str) -> Option<&str> {
+    crate::is_valid_traceparent(traceparent).then(|| &traceparent[3..35])
+}
+
+/// Whether `s` is a trace id as a `traceparent` holds it: 32 lowercase hex
+/// digits, not all zero.
+pub fn is_trace_id(s: &str) -> bool {
+    s.len() == 32
+        && s.bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        && s.bytes().any(|b| b != b'0')
+}
+
 /// Makes `span` a child of `traceparent` (a no-op for `None`, an invalid
 /// value, or without the `opentelemetry` feature).
 pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) {
@@ -76,4 +91,32 @@ mod imp {
     }
 
     pub fn continue_trace(_span: &tracing::Span, _tp: &str) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trace_ids() {
+        assert_eq!(
+            trace_id_of("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        assert_eq!(trace_id_of("garbage"), None);
+        assert_eq!(
+            trace_id_of("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"),
+            None
+        );
+        assert!(is_trace_id("4bf92f3577b34da6a3ce929d0e0e4736"));
+        assert!(
+            !is_trace_id("00000000000000000000000000000000"),
+            "all zero is invalid"
+        );
+        assert!(
+            !is_trace_id("4BF92F3577B34DA6A3CE929D0E0E4736"),
+            "lowercase only"
+        );
+        assert!(!is_trace_id("4bf92f35"));
+    }
 }

@@ -5,7 +5,10 @@
 //! * **Pages**: an overview (per outbox: pending, poisoned, processed,
 //!   oldest pending age, health), poisoned / pending / processed lists
 //!   (type, key, attempts, last error; paging; a filter by type), a
-//!   message's detail (headers, pretty-printed payload, trace id), and the
+//!   message's detail (headers, pretty-printed payload, trace id), the
+//!   saga view of a trace (`/traces/{trace id}`: every message of that
+//!   trace in every outbox of the console, in commit order, with kind,
+//!   type, state, attempts and commit → processed time), and the
 //!   actions *retry* and *discard* — of one message, or of all poisoned
 //!   messages of a type — each behind a confirmation page. Server-rendered
 //!   HTML that needs no JavaScript (the pages forbid scripts outright).
@@ -151,7 +154,7 @@ impl Default for Console {
 }
 
 /// Outbox names that would collide with the console's own paths.
-const RESERVED_NAMES: &[&str] = &["login", "logout", "style.css"];
+const RESERVED_NAMES: &[&str] = &["login", "logout", "style.css", "traces"];
 
 impl Console {
     /// A console with no outbox, no token, mounted at `/`.
@@ -320,6 +323,7 @@ pub fn router(console: Console) -> Router {
         .route("/style.css", get(pages::stylesheet))
         .route("/login", get(pages::login_form).post(pages::login))
         .route("/logout", post(pages::logout))
+        .route("/traces/{trace_id}", get(pages::trace))
         .route("/{outbox}/messages", get(pages::list))
         .route("/{outbox}/messages/{id}", get(pages::detail))
         .route(

@@ -121,14 +121,6 @@ pub(crate) fn short(s: &str, max: usize) -> String {
     }
 }
 
-/// The trace id inside a W3C `traceparent` (`00-<trace id>-<span id>-<flags>`).
-pub(crate) fn trace_id(traceparent: &str) -> Option<&str> {
-    let mut parts = traceparent.split('-');
-    let _version = parts.next()?;
-    let id = parts.next()?;
-    (id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
-}
-
 /// Largest payload shown in full on a detail page.
 const MAX_SHOWN_PAYLOAD: usize = 256 * 1024;
 
@@ -292,14 +284,9 @@ mod tests {
     }
 
     #[test]
-    fn ages_and_trace_ids() {
+    fn ages() {
         assert_eq!(age(Duration::from_millis(120)), "120ms");
         assert_eq!(age(Duration::from_secs(65)), "1m 5s");
         assert_eq!(age(Duration::from_secs(3 * 86_400 + 7200)), "3d 2h");
-        assert_eq!(
-            trace_id("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
-            Some("4bf92f3577b34da6a3ce929d0e0e4736")
-        );
-        assert_eq!(trace_id("garbage"), None);
     }
 }

@@ -874,6 +874,81 @@ async fn several_outboxes_side_by_side() {
     );
 }
 
+/// The saga view: from a message's trace id, every message of that trace
+/// in every outbox (memory and SQLite side by side), in commit order, with
+/// state and attempts; nothing of another trace; a bad id is a 400.
+#[tokio::test]
+async fn a_trace_shows_its_messages_across_the_outboxes() {
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let tp = |span: &str| format!("00-{TRACE}-{span}-01");
+    let (ordering, warehouse) = (Backend::memory().await, Backend::sqlite().await);
+    let placed = ordering
+        .enqueue(vec![
+            domain("OrderPlaced", "{}").trace_parent(tp("00f067aa0ba902b7")),
+        ])
+        .await[0];
+    let answer = warehouse
+        .poisoned(
+            vec![domain("StockReserved", "{}").trace_parent(tp("b7ad6b7169203331"))],
+            "billing said 503",
+        )
+        .await[0];
+    let other = ordering
+        .enqueue(vec![domain("Unrelated", "{}").trace_parent(
+            "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        )])
+        .await[0];
+    let app = router(
+        Console::new()
+            .outbox("ordering", ordering.store())
+            .unwrap()
+            .outbox("warehouse", warehouse.store())
+            .unwrap(),
+    );
+    // The message's page links to its trace.
+    let detail = get(&app, &format!("/ordering/messages/{placed}")).await;
+    assert!(
+        detail.body.contains(&format!("href=\"/traces/{TRACE}\"")),
+        "{}",
+        detail.body
+    );
+
+    let page = get(&app, &format!("/traces/{TRACE}")).await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    page.assert_page();
+    let at = |needle: &str| {
+        page.body
+            .find(needle)
+            .unwrap_or_else(|| panic!("missing {needle:?} in {}", page.body))
+    };
+    assert!(
+        at(&placed.to_string()) < at(&answer.to_string()),
+        "commit order: the order before its answer"
+    );
+    for want in [
+        "OrderPlaced",
+        "StockReserved",
+        "poisoned",
+        "pending",
+        "billing said 503",
+        ">warehouse<",
+    ] {
+        at(want);
+    }
+    assert!(!page.body.contains(&other.to_string()) && !page.body.contains("Unrelated"));
+
+    let none = get(&app, "/traces/1af7651916cd43dd8448eb211c80319c").await;
+    assert_eq!(none.status, StatusCode::OK);
+    assert!(
+        none.body.contains("No message carries this trace."),
+        "{}",
+        none.body
+    );
+    let bad = get(&app, "/traces/not-a-trace").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.body);
+    assert!(bad.body.contains("32 lowercase hex digits"), "{}", bad.body);
+}
+
 #[tokio::test]
 async fn a_relay_health_report_is_shown_when_given() {
     let b = Backend::memory().await;

@@ -405,6 +405,14 @@ impl OperatorStore for MemoryStore {
             .values()
             .filter(|m| q.state.is_none_or(|s| s == m.state))
             .filter(|m| q.message_type.as_ref().is_none_or(|t| *t == m.message_type))
+            .filter(|m| {
+                q.trace_id.as_deref().is_none_or(|t| {
+                    m.trace_parent
+                        .as_deref()
+                        .and_then(outbox_api::trace::trace_id_of)
+                        == Some(t)
+                })
+            })
             .skip(q.offset)
             .take(limit)
             .cloned()

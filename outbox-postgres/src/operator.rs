@@ -103,6 +103,7 @@ impl OperatorStore for PgStore {
             .bind(q.message_type.as_deref())
             .bind(limit)
             .bind(to_i64(q.offset))
+            .bind(q.trace_id.as_deref())
             .fetch_all(&self.inner.pool)
             .await
             .map_err(|e| self.fail(e, what))?;

@@ -401,6 +401,7 @@ impl Sql {
             list: format!(
                 "SELECT {COLUMNS} FROM {t}
                  WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR message_type = $2)
+                 AND ($5::text IS NULL OR substr(trace_parent, 4, 32) = $5)
                  ORDER BY seq LIMIT $3 OFFSET $4"
             ),
             get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),

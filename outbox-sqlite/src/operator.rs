@@ -85,15 +85,17 @@ impl OperatorStore for SqliteStore {
     async fn list(&self, q: &ListQuery) -> Result<Vec<Message>> {
         let state = q.state.map(MessageState::as_str);
         let message_type = q.message_type.clone();
+        let trace_id = q.trace_id.clone();
         let limit = to_i64(if q.limit == 0 { 100 } else { q.limit });
         let offset = to_i64(q.offset);
         self.run("listing messages", move |conn, sql| {
             let mut stmt = conn.prepare_cached(&format!(
                 "SELECT {COLUMNS} FROM {} WHERE (?1 IS NULL OR state = ?1) AND (?2 IS NULL OR message_type = ?2)
+                 AND (?5 IS NULL OR substr(trace_parent, 4, 32) = ?5)
                  ORDER BY seq LIMIT ?3 OFFSET ?4",
                 sql.outbox
             ))?;
-            let rows = stmt.query_map(params![state, message_type, limit, offset], decode)?;
+            let rows = stmt.query_map(params![state, message_type, limit, offset, trace_id], decode)?;
             rows.map(|r| r.map(Decoded::annotated)).collect()
         })
         .await

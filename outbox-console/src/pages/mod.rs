@@ -106,6 +106,11 @@ impl State {
         format!("{}/{outbox}/messages?{}", self.prefix, q.finish())
     }
 
+    /// The saga view of trace `trace_id`.
+    pub(crate) fn trace_url(&self, trace_id: &str) -> String {
+        format!("{}/traces/{trace_id}", self.prefix)
+    }
+
     fn message_url(&self, outbox: &str, id: MessageId) -> String {
         format!("{}/{outbox}/messages/{id}", self.prefix)
     }
@@ -441,6 +446,94 @@ pub(crate) async fn list(
     Ok(respond(StatusCode::OK, page(&st, &title, body)))
 }
 
+/// At most this many messages of one trace, per outbox, on the saga view.
+const MAX_TRACED: usize = 500;
+
+/// `GET {prefix}/traces/{trace_id}`: every message of one trace (a saga)
+/// in every outbox of the console, in the order they were committed, with
+/// kind, type, state, attempts and the time from commit to processed — where
+/// a saga stopped, without a tracing backend.
+pub(crate) async fn trace(S(st): S<Arc<State>>, p: Result<Path<String>, PathRejection>) -> Page {
+    let trace_id = path(&st, p)?;
+    if !outbox_api::trace::is_trace_id(&trace_id) {
+        return Err(st.bad_request(&format!(
+            "A trace id is 32 lowercase hex digits, not all zero (got \"{}\").",
+            view::short(&trace_id, 64)
+        )));
+    }
+    let mut rows: Vec<(&str, Message)> = Vec::new();
+    let mut cut = Vec::new();
+    for o in &st.outboxes {
+        let query = ListQuery::new()
+            .trace_id(trace_id.clone())
+            .limit(MAX_TRACED + 1);
+        let mut found = o
+            .store
+            .list(&query)
+            .await
+            .map_err(|e| st.store_error(&format!("listing outbox \"{}\"", o.name), &e))?;
+        if found.len() > MAX_TRACED {
+            found.truncate(MAX_TRACED);
+            cut.push(o.name.as_str());
+        }
+        rows.extend(found.into_iter().map(|m| (o.name.as_str(), m)));
+    }
+    rows.sort_by_key(|(_, m)| m.created_at);
+    let now = Timestamp::now();
+    let first = rows.first().map(|(_, m)| m.created_at);
+    let body = html! {
+        h1 { "Trace " code { (trace_id) } }
+        p.note {
+            "Every message of this trace in " (st.outboxes.len()) " outbox"
+            @if st.outboxes.len() != 1 { "es" }
+            ", in the order they were committed. A processed message is gone once retention purges it."
+        }
+        @if !cut.is_empty() {
+            p.flash { "Only the first " (MAX_TRACED) " messages of: " (cut.join(", ")) "." }
+        }
+        @if rows.is_empty() {
+            p.note { "No message carries this trace." }
+        } @else {
+            table {
+                thead { tr {
+                    th { "committed" } th { "outbox" } th { "kind" } th { "type" } th { "state" }
+                    th.num { "attempts" } th { "commit → processed" } th { "last error" }
+                } }
+                tbody {
+                    @for (outbox, m) in &rows {
+                        tr {
+                            td {
+                                a href=(st.message_url(outbox, m.id)) {
+                                    @match first {
+                                        Some(f) if m.created_at > f => { "+" (view::age(m.created_at.since(f))) }
+                                        _ => { (view::age(now.since(m.created_at))) " ago" }
+                                    }
+                                }
+                            }
+                            td { (outbox) }
+                            td { (m.kind) }
+                            td { code { (m.message_type) } }
+                            td class=(m.state.as_str()) { (m.state) }
+                            td.num { (m.attempts) }
+                            td {
+                                @match m.processed_at {
+                                    Some(t) => { (view::age(t.since(m.created_at))) }
+                                    None => { span.note { "not yet" } }
+                                }
+                            }
+                            td { @if let Some(e) = &m.last_error { (view::short(e, 160)) } }
+                        }
+                    }
+                }
+            }
+        }
+    };
+    Ok(respond(
+        StatusCode::OK,
+        page(&st, &format!("Trace {trace_id}"), body),
+    ))
+}
+
 fn bulk_url(st: &State, outbox: &str, action: &str, ty: &str) -> String {
     let mut q = form_urlencoded::Serializer::new(String::new());
     q.append_pair("type", ty);
@@ -506,7 +599,10 @@ pub(crate) async fn detail(
                 tr { th { "trace" } td {
                     @match &m.trace_parent {
                         Some(tp) => {
-                            @if let Some(tid) = view::trace_id(tp) { "trace id " code { (tid) } br; }
+                            @if let Some(tid) = outbox_api::trace::trace_id_of(tp) {
+                                "trace id " code { (tid) } " — "
+                                a href=(st.trace_url(tid)) { "every message of this trace" } br;
+                            }
                             span.note { "traceparent " code { (tp) } }
                         }
                         None => { span.note { "none recorded" } }

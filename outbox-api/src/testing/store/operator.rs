@@ -139,3 +139,47 @@ pub async fn operator_list_get_retry_discard(s: &dyn StoreUnderTest) {
         ErrorKind::Conflict
     );
 }
+
+/// A list by trace id gives exactly the messages whose `trace_parent`
+/// carries that trace, in commit order, whatever their state; with the
+/// other filters too.
+pub async fn list_filters_by_trace(s: &dyn StoreUnderTest) {
+    const A: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    const B: &str = "0af7651916cd43dd8448eb211c80319c";
+    let traced =
+        |n: usize, trace: &str, span: &str| domain(n).trace_parent(format!("00-{trace}-{span}-01"));
+    let k = s
+        .enqueue(vec![
+            traced(1, A, "00f067aa0ba902b7"),
+            traced(2, B, "00f067aa0ba902b7"),
+            domain(3),
+            traced(4, A, "b7ad6b7169203331"),
+        ])
+        .await;
+    let now = t0().saturating_add(Duration::from_secs(1));
+    s.store().claim(&req("w", 1, now)).await.unwrap();
+    s.store().complete(&k[..1], now).await.unwrap();
+    let listed = |q: ListQuery| async move { ids(&s.store().list(&q).await.unwrap()) };
+    assert_eq!(
+        listed(ListQuery::new().trace_id(A)).await,
+        vec![k[0], k[3]],
+        "both messages of trace A, processed and pending, in commit order"
+    );
+    assert_eq!(listed(ListQuery::new().trace_id(B)).await, vec![k[1]]);
+    assert_eq!(
+        listed(ListQuery::new().trace_id(A).state(MessageState::Pending)).await,
+        vec![k[3]],
+        "with a state"
+    );
+    assert!(
+        listed(ListQuery::new().trace_id("1af7651916cd43dd8448eb211c80319c"))
+            .await
+            .is_empty(),
+        "no message of another trace"
+    );
+    assert_eq!(
+        listed(ListQuery::new()).await.len(),
+        4,
+        "no trace filter: all"
+    );
+}
