@@ -88,14 +88,7 @@ async fn the_password_is_never_in_debug_output() {
 /// again, and while another fails to reach a server.
 #[tokio::test]
 async fn logs_never_contain_the_password() {
-    let logs = outbox_api::testing::LogBuffer::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = outbox_api::testing::LogBuffer::capture_all();
     let secret = "l0gged-pg-Pa55";
     let schema = unique_schema("outbox_logs");
     // Trust authentication ignores the password, so the store connects.

@@ -626,14 +626,7 @@ async fn wrong_credentials_fail_clearly_without_the_password() {
 
 #[tokio::test]
 async fn logs_never_contain_the_password() {
-    let logs = outbox_api::testing::LogBuffer::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _guard = tracing::subscriber::set_default(subscriber);
+    let (logs, _guard) = outbox_api::testing::LogBuffer::capture_all();
 
     let uri: lapin::uri::AMQPUri = broker_url().parse().unwrap();
     let secret = "l0gged-Pa55word-q9";

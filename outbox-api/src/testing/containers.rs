@@ -60,10 +60,15 @@ pub enum Unavailable {
 pub fn url(spec: &ServiceSpec) -> Result<String, Unavailable> {
     // testcontainers' blocking runner and bollard run on runtimes of their
     // own, which cannot start inside a test's runtime: a thread of its own.
-    let spec = *spec;
-    std::thread::spawn(move || start_or_reuse(&spec))
-        .join()
-        .unwrap_or_else(|_| Err(Unavailable::Failed("the container step panicked".into())))
+    apart(|| start_or_reuse(spec))
+        .unwrap_or_else(|| Err(Unavailable::Failed("the container step panicked".into())))
+}
+
+/// Runs `f` on a thread of its own and waits for it; `None` if it panicked.
+/// testcontainers' blocking runner and the Docker client's runtime cannot
+/// start inside a test's runtime, from which the tests call all of this.
+fn apart<T: Send>(f: impl FnOnce() -> T + Send) -> Option<T> {
+    std::thread::scope(|scope| scope.spawn(f).join().ok())
 }
 
 /// The image for `spec`: its variable, else the official image.
@@ -107,29 +112,54 @@ pub fn fill(template: &str, host: &str, ports: &[u16]) -> String {
     out
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime, Unavailable> {
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| Unavailable::Failed(format!("a runtime for the Docker client: {e}")))
+        .map_err(|e| format!("a runtime for the Docker client: {e}"))
+}
+
+/// A Docker client (`DOCKER_HOST`, else the default socket).
+fn client() -> Result<Docker, String> {
+    Docker::connect_with_defaults().map_err(|e| format!("no Docker client configuration: {e}"))
+}
+
+/// Whether the engine answers, within 5 s; `Err` says where it was asked.
+async fn ping(docker: &Docker) -> Result<(), String> {
+    let answer = tokio::time::timeout(Duration::from_secs(5), docker.ping()).await;
+    let why = match answer {
+        Ok(Ok(_)) => return Ok(()),
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer within 5 s".to_owned(),
+    };
+    Err(format!(
+        "no Docker engine answered at {} ({why})",
+        std::env::var("DOCKER_HOST").unwrap_or_else(|_| "the default socket".into())
+    ))
+}
+
+/// Everything the container `name` printed, both streams, every start.
+async fn log_text(docker: &Docker, name: &str) -> Result<String, String> {
+    let mut logs = docker.logs(
+        name,
+        Some(LogsOptions {
+            stdout: true,
+            stderr: true,
+            ..Default::default()
+        }),
+    );
+    let mut text = String::new();
+    while let Some(chunk) = logs.next().await {
+        let chunk = chunk.map_err(|e| format!("the logs of {name}: {e}"))?;
+        text.push_str(&String::from_utf8_lossy(&chunk.into_bytes()));
+    }
+    Ok(text)
 }
 
 fn start_or_reuse(spec: &ServiceSpec) -> Result<String, Unavailable> {
-    let rt = runtime()?;
-    let docker = Docker::connect_with_defaults()
-        .map_err(|e| Unavailable::NoEngine(format!("no Docker client configuration: {e}")))?;
-    rt.block_on(async {
-        tokio::time::timeout(Duration::from_secs(5), docker.ping())
-            .await
-            .map_err(|_| "no answer within 5 s".to_owned())?
-            .map_err(|e| e.to_string())
-    })
-    .map_err(|e| {
-        Unavailable::NoEngine(format!(
-            "no Docker engine answered at {} ({e})",
-            std::env::var("DOCKER_HOST").unwrap_or_else(|_| "the default socket".into())
-        ))
-    })?;
+    let rt = runtime().map_err(Unavailable::Failed)?;
+    let docker = client().map_err(Unavailable::NoEngine)?;
+    rt.block_on(ping(&docker)).map_err(Unavailable::NoEngine)?;
     let c = &spec.container;
     let image = image(c);
     let name = container_name(spec.name, &image);
@@ -189,7 +219,11 @@ async fn running_url(
             (true, Some(url)) => {
                 // Another process may have started it a moment ago: its
                 // server is up once its log holds the ready line.
-                if running && logged(docker, name, ready).await {
+                if running
+                    && log_text(docker, name)
+                        .await
+                        .is_ok_and(|t| t.contains(ready))
+                {
                     return Ok(Some(url));
                 }
                 if Instant::now() > deadline {
@@ -216,24 +250,6 @@ async fn running_url(
             }
         }
     }
-}
-
-/// Whether the container's output (either stream) holds `line`.
-async fn logged(docker: &Docker, name: &str, line: &str) -> bool {
-    let mut logs = docker.logs(
-        name,
-        Some(LogsOptions {
-            stdout: true,
-            stderr: true,
-            ..Default::default()
-        }),
-    );
-    while let Some(Ok(chunk)) = logs.next().await {
-        if String::from_utf8_lossy(&chunk.into_bytes()).contains(line) {
-            return true;
-        }
-    }
-    false
 }
 
 /// Whether containers should use the host's network: the variable, else
@@ -348,21 +364,11 @@ impl std::fmt::Debug for OwnContainer {
 }
 
 /// Runs `f` with a Docker client on a current-thread runtime, on a thread
-/// of its own (no runtime may start inside a test's).
+/// of its own ([`apart`]).
 fn with_docker<T: Send>(
     f: impl FnOnce(&tokio::runtime::Runtime, &Docker) -> Result<T, String> + Send,
 ) -> Result<T, String> {
-    std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
-                let rt = runtime().map_err(|e| format!("{e:?}"))?;
-                let docker = Docker::connect_with_defaults()
-                    .map_err(|e| format!("no Docker client configuration: {e}"))?;
-                f(&rt, &docker)
-            })
-            .join()
-            .unwrap_or_else(|_| Err("a Docker call panicked".into()))
-    })
+    apart(|| f(&runtime()?, &client()?)).unwrap_or_else(|| Err("a Docker call panicked".into()))
 }
 
 impl OwnContainer {
@@ -380,20 +386,12 @@ impl OwnContainer {
         );
         let host_network = with_docker(|rt, docker| {
             rt.block_on(async {
-                tokio::time::timeout(Duration::from_secs(5), docker.ping())
-                    .await
-                    .map_err(|_| "no Docker engine answered within 5 s".to_owned())?
-                    .map_err(|e| format!("no Docker engine answered: {e}"))?;
+                ping(docker).await?;
                 host_networking(docker).await.map_err(|e| format!("{e:?}"))
             })
         })?;
-        let spec = *spec;
-        let (container, url) = std::thread::scope(|scope| {
-            scope
-                .spawn(|| launch(&spec, &image, &name, host_network, extra_cmd))
-                .join()
-                .unwrap_or_else(|_| Err("starting the container panicked".into()))
-        })?;
+        let (container, url) = apart(|| launch(spec, &image, &name, host_network, extra_cmd))
+            .unwrap_or_else(|| Err("starting the container panicked".into()))?;
         Ok(Self {
             name,
             url,
@@ -414,24 +412,7 @@ impl OwnContainer {
 
     /// Everything the server printed so far, both streams, every start.
     pub fn logs(&self) -> Result<String, String> {
-        with_docker(|rt, docker| {
-            rt.block_on(async {
-                let mut logs = docker.logs(
-                    &self.name,
-                    Some(LogsOptions {
-                        stdout: true,
-                        stderr: true,
-                        ..Default::default()
-                    }),
-                );
-                let mut text = String::new();
-                while let Some(chunk) = logs.next().await {
-                    let chunk = chunk.map_err(|e| format!("the logs of {}: {e}", self.name))?;
-                    text.push_str(&String::from_utf8_lossy(&chunk.into_bytes()));
-                }
-                Ok(text)
-            })
-        })
+        with_docker(|rt, docker| rt.block_on(log_text(docker, &self.name)))
     }
 
     /// Crashes the server: SIGKILL to the container's first process, so
@@ -515,9 +496,7 @@ impl Drop for OwnContainer {
     fn drop(&mut self) {
         if let Some(container) = self.container.take() {
             // Removing it runs testcontainers' own runtime: on a thread of its own.
-            std::thread::scope(|scope| {
-                let _ = scope.spawn(move || drop(container)).join();
-            });
+            apart(move || drop(container));
         }
     }
 }

@@ -9,6 +9,19 @@ use std::sync::{Arc, Mutex};
 pub struct LogBuffer(Arc<Mutex<Vec<u8>>>);
 
 impl LogBuffer {
+    /// A buffer that gets every event at every level logged on this thread
+    /// (plain text, no colours) until the guard is dropped.
+    pub fn capture_all() -> (LogBuffer, tracing::subscriber::DefaultGuard) {
+        let logs = LogBuffer::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        (logs, tracing::subscriber::set_default(subscriber))
+    }
+
     /// Everything written so far, as text (invalid UTF-8 replaced).
     pub fn text(&self) -> String {
         let bytes = self.0.lock().unwrap_or_else(|e| e.into_inner());
