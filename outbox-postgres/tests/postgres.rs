@@ -430,6 +430,41 @@ async fn other_processes_hear_of_a_commit_after_it_never_from_inside_it() {
     assert!(!notified(&mut raw, Duration::from_millis(300)).await);
 }
 
+/// An enqueue in a savepoint that is rolled back leaves the transaction
+/// watched: its later enqueue and commit are announced, and the rolled-back
+/// message is never seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_after_a_rolled_back_savepoint_is_announced() {
+    let f = PgUnderTest::fresh(None).await;
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&f.pg().channel()).await.unwrap();
+    let mut tx = f.pool().begin().await.unwrap();
+    let mut savepoint = sqlx::Acquire::begin(&mut *tx).await.unwrap();
+    f.pg()
+        .outbox()
+        .enqueue(&mut savepoint, msg(1))
+        .await
+        .unwrap();
+    savepoint.rollback().await.unwrap();
+    assert!(
+        !notified(&mut raw, Duration::from_millis(300)).await,
+        "nothing is announced while the transaction is open"
+    );
+    f.pg().outbox().enqueue(&mut tx, msg(2)).await.unwrap();
+    assert!(!notified(&mut raw, Duration::from_millis(100)).await);
+    tx.commit().await.unwrap();
+    assert!(
+        notified(&mut raw, Duration::from_secs(5)).await,
+        "the commit is announced"
+    );
+    let pending = f
+        .pg()
+        .list(&outbox_api::ListQuery::new().state(MessageState::Pending))
+        .await
+        .unwrap();
+    assert_eq!(payloads(&pending), ["2"]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn notifications_are_debounced() {
     let f = PgUnderTest::fresh_with(None, |b| b.notify_debounce(Duration::from_millis(200))).await;

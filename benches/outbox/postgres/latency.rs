@@ -36,29 +36,78 @@ async fn open_loop(rate: u32, count: usize, relay: Option<Placement>, url: &str)
         }
         None => None,
     };
-    let (pool, outbox, orders) = (f.pool().clone(), f.pg().outbox(), orders_insert(&f));
-    let rt = tokio::runtime::Handle::current();
-    let t = times.clone();
-    let producer = std::thread::spawn(move || {
-        keep_schedule(&t, base, |i, committing| {
-            rt.block_on(async {
-                let mut tx = pool.begin().await.unwrap();
-                sqlx::query(AssertSqlSafe(orders.as_str()))
-                    .bind(i as i64)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                outbox.enqueue(&mut tx, bench_message(i)).await.unwrap();
-                committing();
-                tx.commit().await.unwrap();
-            })
-        });
-    });
+    let (outbox, orders) = (f.pg().outbox(), orders_insert(&f));
+    let (t, url) = (times.clone(), f.url().to_owned());
+    let producer = std::thread::spawn(move || writers(&t, base, &url, &outbox, &orders));
     tokio::task::spawn_blocking(move || producer.join().unwrap())
         .await
         .unwrap();
     times.settle(relay).await;
     times.run(&times.committing_times())
+}
+
+/// How many business transactions may be open at once: the application's
+/// writers.
+const WRITERS: u32 = 8;
+
+/// The application: each business transaction (an order row and one message)
+/// starts at its scheduled time, on a runtime and a pool of its own (as in
+/// the application's own process), with up to [`WRITERS`] of them open at
+/// once. A single serial writer would not be an open loop: each of its
+/// transactions is four round trips and a WAL flush, about 1 ms on this
+/// machine, so at 1k msg/s it runs at its own capacity and any slower
+/// transaction delays every later one (docs/performance.md).
+fn writers(times: &Arc<Times>, base: Instant, url: &str, outbox: &PgOutbox, orders: &str) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let pool = rt.block_on(async {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(WRITERS)
+            .min_connections(WRITERS)
+            .connect(url)
+            .await
+            .unwrap();
+        // Every connection is open before the first transaction.
+        let held: Vec<_> =
+            futures_util::future::join_all((0..WRITERS).map(|_| pool.acquire())).await;
+        drop(held);
+        pool
+    });
+    let mut open = Vec::with_capacity(times.scheduled.len());
+    for (i, scheduled) in times.scheduled.iter().enumerate() {
+        let at = base + Duration::from_micros(*scheduled);
+        if let Some(wait) = at.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+        let (t, pool, outbox, orders) = (
+            times.clone(),
+            pool.clone(),
+            outbox.clone(),
+            orders.to_owned(),
+        );
+        open.push(rt.spawn(async move {
+            Times::stamp(&t.began, i, base);
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query(AssertSqlSafe(orders))
+                .bind(i as i64)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            outbox.enqueue(&mut tx, bench_message(i)).await.unwrap();
+            Times::stamp(&t.committing, i, base);
+            tx.commit().await.unwrap();
+            Times::stamp(&t.committed, i, base);
+        }));
+    }
+    rt.block_on(async {
+        for tx in open {
+            tx.await.unwrap();
+        }
+        pool.close().await;
+    });
 }
 
 pub(super) async fn latency(quick: bool, url: &str) -> Vec<Figure> {

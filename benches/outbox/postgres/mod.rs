@@ -3,8 +3,8 @@
 //! same row (sqlx and tokio-postgres, 1 and 8 writers), bulk against single
 //! enqueue, writers with and without the commit announcement, drain by 1, 2
 //! and 4 relays against a bare SQL loop running the store's own statements,
-//! scheduled → handled at 1k msg/s (the open-loop machinery of
-//! `sqlite_latency`), failover after a relay is killed holding work, and
+//! scheduled → handled at 1k msg/s (the timing of `sqlite_latency`, the
+//! transactions started by an application of 8 writers), failover after a relay is killed holding work, and
 //! drain while a REPEATABLE READ transaction pins the xmin. Each figure works in a fresh schema of the test database
 //! (`OUTBOX_PG_URL`, else the local default), dropped afterwards.
 
@@ -21,7 +21,7 @@ use outbox_postgres::{PgOutbox, PgStore, PgStoreBuilder};
 
 use crate::common::{Figure, counting_handlers, latency_rows, not_measured};
 use crate::sqlite::bench_message;
-use crate::sqlite_latency::{Run, Times, beside, keep_schedule};
+use crate::sqlite_latency::{Run, Times, beside};
 
 /// A fresh schema with the outbox migrated and an `orders` table, the
 /// application's business table.
