@@ -301,3 +301,19 @@ impl InboxUnderTest for PgUnderTest {
         sqlx::Error::PoolTimedOut.into()
     }
 }
+
+/// Waits (20 s at most, then panics) until the connections named
+/// `application_name` hold one `LISTEN`: a store's listener listens.
+pub async fn listens(pool: &PgPool, application_name: &str) {
+    outbox_api::testing::wait_until("the listener listens", Duration::from_secs(20), || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'",
+        )
+        .bind(application_name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+            == 1
+    })
+    .await;
+}
