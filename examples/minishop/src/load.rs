@@ -21,6 +21,11 @@ pub struct LoadOptions {
     pub orders: u64,
     /// Orders per second (`None`: as fast as they commit).
     pub rate: Option<f64>,
+    /// How many orders may be being placed at once (the shop's customers
+    /// at the checkout). One would be a closed loop: each order waits for
+    /// the one before to commit, so the offered rate could never exceed
+    /// one commit's time and any slow commit would delay every later order.
+    pub placers: usize,
     /// Give up (exit non-zero) after this long.
     pub timeout: Duration,
 }
@@ -110,6 +115,11 @@ pub fn order_for(i: u64) -> (String, &'static str, u32) {
     (format!("customer-{}", i % 17), sku, qty)
 }
 
+/// One placed order's outcome, its task's failure included.
+fn flatten(done: Result<Result<(), Fail>, tokio::task::JoinError>) -> Result<(), Fail> {
+    done.map_err(|e| Fail(format!("placing an order failed: {e}")))?
+}
+
 /// Stops the order placer when the run ends early (error, timeout).
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
@@ -122,8 +132,20 @@ impl<T> Drop for AbortOnDrop<T> {
 #[derive(Debug, Default)]
 struct Placed {
     count: AtomicU64,
+    /// The lowest and highest order id placed (placed in parallel, they
+    /// commit out of order).
     first: Mutex<Option<Uuid>>,
     last: Mutex<Option<Uuid>>,
+}
+
+impl Placed {
+    async fn add(&self, id: Uuid) {
+        let mut first = self.first.lock().await;
+        *first = Some(first.map_or(id, |f| f.min(id)));
+        let mut last = self.last.lock().await;
+        *last = Some(last.map_or(id, |l| l.max(id)));
+        self.count.fetch_add(1, AtomicOrdering::SeqCst);
+    }
 }
 
 /// Runs the load: places the orders, prints a progress line every second
@@ -141,26 +163,47 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
         let placed = Arc::clone(&placed);
         let ordering = Arc::clone(&ordering);
         tokio::spawn(async move {
+            // Each order starts at its time (with --rate) as one of at most
+            // `placers` being placed at once.
+            let slots = Arc::new(tokio::sync::Semaphore::new(opts.placers.max(1)));
+            let mut placing = tokio::task::JoinSet::new();
             for i in 0..opts.orders {
                 if let Some(rate) = opts.rate {
                     let due = start + Duration::from_secs_f64(i as f64 / rate);
                     tokio::time::sleep_until(due.into()).await;
                 }
-                let (customer, sku, qty) = order_for(i);
-                // Each order's saga is one trace, rooted here (over HTTP, in
-                // the request's span).
-                let span = tracing::info_span!("minishop.place_order", order.index = i);
-                let placing = ordering.place_order(&customer, sku, qty, true);
-                let id = match placing.instrument(span).await {
-                    Ok((id, _)) => id,
-                    Err(PlaceError::Invalid(e)) => return Err(Fail(e.0)),
-                    Err(PlaceError::Store(e)) => {
-                        return Err(Fail(format!("placing an order: {e}")));
-                    }
-                };
-                placed.first.lock().await.get_or_insert(id);
-                *placed.last.lock().await = Some(id);
-                placed.count.fetch_add(1, AtomicOrdering::SeqCst);
+                let slot = Arc::clone(&slots)
+                    .acquire_owned()
+                    .await
+                    .map_err(|e| Fail(format!("the order placer: {e}")))?;
+                // A failed order ends the run.
+                while let Some(done) = placing.try_join_next() {
+                    flatten(done)?;
+                }
+                let (placed, ordering) = (Arc::clone(&placed), Arc::clone(&ordering));
+                placing.spawn(async move {
+                    let (customer, sku, qty) = order_for(i);
+                    // Each order's saga is one trace, rooted here (over
+                    // HTTP, in the request's span).
+                    let span = tracing::info_span!("minishop.place_order", order.index = i);
+                    let id = match ordering
+                        .place_order(&customer, sku, qty, true)
+                        .instrument(span)
+                        .await
+                    {
+                        Ok((id, _)) => id,
+                        Err(PlaceError::Invalid(e)) => return Err(Fail(e.0)),
+                        Err(PlaceError::Store(e)) => {
+                            return Err(Fail(format!("placing an order: {e}")));
+                        }
+                    };
+                    placed.add(id).await;
+                    drop(slot);
+                    Ok(())
+                });
+            }
+            while let Some(done) = placing.join_next().await {
+                flatten(done)?;
             }
             Ok(())
         })

@@ -273,6 +273,11 @@ struct Args {
     #[arg(long, value_name = "PER_SECOND", value_parser = parse_rate)]
     rate: Option<f64>,
 
+    /// With --orders: how many orders may be being placed at once, each in
+    /// a transaction of its own (the shop's customers at the checkout).
+    #[arg(long, value_name = "N", default_value_t = 8, value_parser = clap::value_parser!(u16).range(1..))]
+    placers: u16,
+
     /// With --orders: give up after this long (e.g. 120s, 2m, 500ms),
     /// exiting non-zero and saying what is stuck.
     #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
@@ -480,6 +485,7 @@ async fn serve_or_load(
             let opts = LoadOptions {
                 orders,
                 rate: args.rate,
+                placers: usize::from(args.placers),
                 timeout: args.timeout,
             };
             let result = load::run(&shop, opts).await;
