@@ -160,9 +160,14 @@ fn init_tracing(format: LogFormat) -> Result<opentelemetry_sdk::trace::SdkTracer
             .boxed(),
     };
     let provider = tracer_provider()?;
-    let spans = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer("minishop"))
-        .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    // No per-layer filter on the span layer: with one (a `LevelFilter` at
+    // info) it lost spans at random on PostgreSQL — requests, deliveries —
+    // beside sqlx's debug events on the same threads, so messages were
+    // enqueued without their trace (tracing-subscriber's per-layer filter
+    // state; `spans_of_each_saga_on_postgresql_are_one_trace_from_the_request`).
+    // No span in this process is below info but libraries' own, and none of
+    // those make spans here.
+    let spans = tracing_opentelemetry::layer().with_tracer(provider.tracer("minishop"));
     tracing_subscriber::registry().with(logs).with(spans).init();
     Ok(provider)
 }

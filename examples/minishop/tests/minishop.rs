@@ -888,6 +888,12 @@ fn spans_of_each_saga_through_rabbitmq_are_one_trace_from_the_request() {
     saga_traces_over_otlp(&["--amqp", &url, "--isolated"]);
 }
 
+#[test]
+fn spans_of_each_saga_on_postgresql_are_one_trace_from_the_request() {
+    let url = outbox_api::testing::service_url(&outbox_postgres::testing::POSTGRES);
+    saga_traces_over_otlp(&["--postgres", &url, "--isolated"]);
+}
+
 /// Places an order with a `traceparent` and one without through MiniShop's
 /// HTTP API (with `args`), and checks what an OTLP receiver of the test's
 /// own got: one trace per order, from the request to the confirmation.
