@@ -894,6 +894,13 @@ fn spans_of_each_saga_on_postgresql_are_one_trace_from_the_request() {
     saga_traces_over_otlp(&["--postgres", &url, "--isolated"]);
 }
 
+#[test]
+fn spans_of_each_saga_on_postgresql_through_rabbitmq_are_one_trace_from_the_request() {
+    let pg = outbox_api::testing::service_url(&outbox_postgres::testing::POSTGRES);
+    let amqp = outbox_api::testing::service_url(&outbox_rabbitmq::testing::RABBITMQ);
+    saga_traces_over_otlp(&["--postgres", &pg, "--amqp", &amqp, "--isolated"]);
+}
+
 /// Places an order with a `traceparent` and one without through MiniShop's
 /// HTTP API (with `args`), and checks what an OTLP receiver of the test's
 /// own got: one trace per order, from the request to the confirmation.
