@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use lapin::options::BasicGetOptions;
 use outbox_api::receive::{ConsumerStats, InboxHandler};
-use outbox_api::testing::{ConsumerSettings, ConsumerUnderTest, TcpProxy};
+use outbox_api::testing::{ConsumerSettings, ConsumerUnderTest, TcpProxy, wait_until};
 use outbox_api::{Inbox, MessageId};
 use outbox_rabbitmq::testing::{amqp_url, broker_addr, unique_name, url_via};
 use outbox_rabbitmq::{ConsumerHandle, ExchangeType, RabbitConsumer, Topology, lapin};
@@ -121,6 +121,15 @@ impl ConsumerUnderTest for Rabbit {
 
     async fn break_connection(&self) {
         self.proxy.cut();
+        // The broker takes back what the cut channel had not acknowledged
+        // when it drops the channel's consumer: wait for that, so that the
+        // copies it delivers again come before anything published later.
+        wait_until(
+            "the broker drops the cut connection's consumer",
+            Duration::from_secs(30),
+            || async { self.queue.consumers().await == 0 },
+        )
+        .await;
     }
 
     async fn heal_connection(&self) {

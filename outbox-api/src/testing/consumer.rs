@@ -64,7 +64,10 @@ pub trait ConsumerUnderTest: Send + Sync {
     fn stats(&self) -> ConsumerStats;
     /// Whether it is connected now.
     fn is_connected(&self) -> bool;
-    /// Cuts the consumer's connection (through the proxy).
+    /// Cuts the consumer's connection (through the proxy) and returns once
+    /// the broker has noticed: what it had delivered on that connection
+    /// and not seen acknowledged is due again (RabbitMQ: requeued) or will
+    /// be after the broker's own acknowledgement timeout (NATS).
     async fn break_connection(&self);
     /// Lets it connect again.
     async fn heal_connection(&self);

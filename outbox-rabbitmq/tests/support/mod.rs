@@ -86,8 +86,8 @@ impl Queue {
             .expect("confirm");
     }
 
-    /// Messages ready in `queue` (not delivered to a consumer).
-    pub async fn ready_in(&self, queue: &str) -> u32 {
+    /// `queue` as the broker sees it now (a passive declare).
+    async fn declared(&self, queue: &str) -> lapin::Queue {
         self.channel
             .queue_declare(
                 queue.into(),
@@ -99,7 +99,16 @@ impl Queue {
             )
             .await
             .expect("passive declare")
-            .message_count()
+    }
+
+    /// Messages ready in `queue` (not delivered to a consumer).
+    pub async fn ready_in(&self, queue: &str) -> u32 {
+        self.declared(queue).await.message_count()
+    }
+
+    /// Consumers the broker counts on this queue.
+    pub async fn consumers(&self) -> u32 {
+        self.declared(&self.name).await.consumer_count()
     }
 
     pub async fn ready(&self) -> u32 {
