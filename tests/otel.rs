@@ -62,9 +62,10 @@ fn part(traceparent: &str, n: usize) -> String {
 async fn trace_continues_from_enqueue_to_handler() {
     tracing();
     let store = MemoryStore::new();
-    let id = {
+    let (id, place_order) = {
         let span = tracing::info_span!("place_order");
         let _entered = span.enter();
+        let place_order = outbox::trace::current_traceparent().expect("a traced span");
         let mut tx = store.begin();
         let id = tx
             .enqueue(NewMessage::new(
@@ -74,7 +75,7 @@ async fn trace_continues_from_enqueue_to_handler() {
             ))
             .unwrap();
         tx.commit().unwrap();
-        id
+        (id, place_order)
     };
     let stored = store
         .get(id)
@@ -108,6 +109,28 @@ async fn trace_continues_from_enqueue_to_handler() {
         "same trace id in the handler"
     );
     let spans = spans_of(&enqueue_trace);
+    let enqueue = spans
+        .iter()
+        .find(|s| s.name == "outbox.enqueue")
+        .expect("an enqueue span was exported");
+    assert_eq!(
+        enqueue.span_context.span_id().to_string(),
+        enqueue_span,
+        "the message stores its enqueue span's context"
+    );
+    assert_eq!(
+        enqueue.parent_span_id.to_string(),
+        part(&place_order, 2),
+        "the enqueue span is a child of the span that enqueued"
+    );
+    assert!(
+        enqueue
+            .attributes
+            .iter()
+            .any(|kv| kv.key.as_str() == "message.type" && kv.value.as_str() == "OrderPlaced"),
+        "the enqueue span names the message type: {:?}",
+        enqueue.attributes
+    );
     let deliver = spans
         .iter()
         .find(|s| s.name == "outbox.deliver")
@@ -115,7 +138,7 @@ async fn trace_continues_from_enqueue_to_handler() {
     assert_eq!(
         deliver.parent_span_id.to_string(),
         enqueue_span,
-        "the delivery span is a child of the enqueuing span"
+        "the delivery span is a child of the enqueue span"
     );
 }
 

@@ -493,13 +493,19 @@ impl NewMessage {
     }
 
     /// Validates and turns this into the stored form, enqueued at `now`.
-    /// Without an explicit `trace_parent`, the current span's is captured
-    /// (feature `opentelemetry`; see [`trace`](crate::trace)).
+    /// Without an explicit `trace_parent`, and inside a traced span
+    /// (feature `opentelemetry`; see [`trace`](crate::trace)), the message
+    /// gets an `outbox.enqueue` span of its own under the current one, and
+    /// stores that span's context: its delivery is the enqueue's child.
     pub fn into_message(self, now: Timestamp) -> Result<Message> {
         self.validate()?;
-        let trace_parent = self.trace_parent.or_else(crate::trace::current_traceparent);
+        let id = self.id.unwrap_or_default();
+        let trace_parent = match self.trace_parent {
+            Some(tp) => Some(tp),
+            None => crate::trace::enqueue_traceparent(id, &self.message_type, self.key.as_deref()),
+        };
         Ok(Message {
-            id: self.id.unwrap_or_default(),
+            id,
             kind: self.kind,
             message_type: self.message_type,
             key: self.key,

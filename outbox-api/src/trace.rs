@@ -14,6 +14,28 @@ pub fn current_traceparent() -> Option<String> {
     imp::current()
 }
 
+/// The `traceparent` a message enqueued now stores: that of an
+/// `outbox.enqueue` span opened (and closed at once) under the current
+/// span for message `id`, or `None` when the current span is not traced.
+/// Where a subscriber filters the enqueue span out, the current span's own
+/// context is stored instead.
+pub(crate) fn enqueue_traceparent(
+    id: crate::MessageId,
+    message_type: &str,
+    key: Option<&str>,
+) -> Option<String> {
+    // Only when there is a trace to continue: untraced code pays nothing
+    // beyond this look.
+    current_traceparent()?;
+    let span = tracing::info_span!(
+        "outbox.enqueue",
+        message.id = %id,
+        message.type = message_type,
+        message.key = key,
+    );
+    span.in_scope(current_traceparent)
+}
+
 /// The trace id (32 lowercase hex digits) inside a W3C `traceparent`
 /// (`00-<trace id>-<span id>-<flags>`), if it is one.
 pub fn trace_id_of(traceparent: &str) -> Option<&str> {

@@ -901,6 +901,12 @@ fn spans_of_each_saga_on_postgresql_through_rabbitmq_are_one_trace_from_the_requ
     saga_traces_over_otlp(&["--postgres", &pg, "--amqp", &amqp, "--isolated"]);
 }
 
+#[test]
+fn spans_of_each_saga_through_nats_are_one_trace_from_the_request() {
+    let url = outbox_api::testing::service_url(&outbox_nats::testing::NATS);
+    saga_traces_over_otlp(&["--nats", &url, "--isolated"]);
+}
+
 /// Places an order with a `traceparent` and one without through MiniShop's
 /// HTTP API (with `args`), and checks what an OTLP receiver of the test's
 /// own got: one trace per order, from the request to the confirmation.
@@ -948,14 +954,19 @@ fn saga_traces_over_otlp(args: &[&str]) {
                     panic!("order {order}: no {name} span of {message_type} in {of:#?}")
                 })
         };
-        // HTTP request → the warehouse receives OrderPlaced → the ordering
+        // HTTP request → OrderPlaced enqueued → the warehouse receives it → the ordering
         // module receives its answer → OrderConfirmed delivered.
+        let enqueued = find("outbox.enqueue", "OrderPlaced");
         let placed = find("outbox.receive", "OrderPlaced");
         let answer = find("outbox.receive", "StockReserved");
         let confirmed = find("outbox.deliver", "OrderConfirmed");
         assert!(
-            descends(&of, placed, &request.span_id),
-            "OrderPlaced received under the request"
+            descends(&of, enqueued, &request.span_id),
+            "OrderPlaced enqueued under the request"
+        );
+        assert!(
+            descends(&of, placed, &enqueued.span_id),
+            "OrderPlaced received under its enqueue"
         );
         assert!(
             descends(&of, answer, &placed.span_id),
