@@ -7,6 +7,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio::sync::watch;
 
+use crate::activity::{Activity, ActivityCounts, ActivityWindow};
 use crate::error::{Error, Result};
 use crate::message::{Message, MessageId, MessageKind, MessageState, Timestamp};
 
@@ -450,6 +451,14 @@ impl ListQuery {
 /// * [`discard`](OperatorStore::discard) marks a `Pending` or `Poisoned`
 ///   message `Processed` without delivering it, recording who and when in
 ///   `last_error`, so it unblocks its key and is purged by retention.
+/// * [`activity_counts`](OperatorStore::activity_counts) counts, in the
+///   window's buckets ([`ActivityWindow::bucket_of`]), over the rows pending
+///   or poisoned now and the rows processed at or after `window.since`:
+///   those processed in the window by bucket and latency class, those
+///   whose last failure (the time [`Store::fail`] was given) is in the
+///   window by bucket and state now, all of them by bucket of
+///   `created_at`, and the pending ones now. It reads only; a table or
+///   window it cannot count is an error, never an empty answer.
 #[async_trait]
 pub trait OperatorStore: Store {
     /// Messages matching `query`, oldest first.
@@ -463,6 +472,17 @@ pub trait OperatorStore: Store {
 
     /// Pending or poisoned → processed without delivery; `by` names the operator.
     async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()>;
+
+    /// What [`activity`](OperatorStore::activity) is drawn from (see the
+    /// contract above and [`crate::activity`]).
+    async fn activity_counts(&self, window: &ActivityWindow) -> Result<ActivityCounts>;
+
+    /// Delivered, failed, poisoned, backlog and latency over `window`,
+    /// bucket by bucket.
+    async fn activity(&self, window: &ActivityWindow) -> Result<Activity> {
+        let counts = self.activity_counts(window).await?;
+        Ok(Activity::from_counts(*window, &counts))
+    }
 }
 
 /// An operator's action on one message ([`OperatorStore::retry`],

@@ -42,6 +42,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod charts;
 mod pages;
 mod security;
 mod view;
@@ -324,6 +325,7 @@ pub fn router(console: Console) -> Router {
         .route("/login", get(pages::login_form).post(pages::login))
         .route("/logout", post(pages::logout))
         .route("/traces/{trace_id}", get(pages::trace))
+        .route("/{outbox}/activity", get(pages::activity))
         .route("/{outbox}/messages", get(pages::list))
         .route("/{outbox}/messages/{id}", get(pages::detail))
         .route(

@@ -252,6 +252,12 @@ button.primary { border-color: #1d4ed8; color: #1d4ed8; }
 nav.tabs a { margin-right: 1rem; }
 nav.tabs a.current { font-weight: 700; text-decoration: none; color: inherit; }
 .pager a { margin-right: 1rem; }
+figure.chart { background: #fff; border: 1px solid #e3e6eb; margin: .8rem 0; padding: .6rem .8rem; max-width: 48rem; }
+figure.chart figcaption { font-weight: 600; }
+figure.chart svg { width: 100%; height: auto; }
+figure.chart .legend { margin: .2rem 0 0; font-size: .9rem; }
+figure.chart .legend .key { margin-right: 1.2rem; }
+figure.chart .legend svg { width: 12px; height: 12px; vertical-align: -1px; }
 "#;
 
 #[cfg(test)]

@@ -49,7 +49,60 @@ on_both_backends!(
     csrf_refusals_change_nothing,
     payloads_and_fields_are_escaped,
     bad_input_gets_a_clear_4xx_page,
+    activity_charts_are_drawn_from_the_rows,
 );
+
+/// The activity page draws the last hour from the outbox's rows: its
+/// totals, and three SVG charts (no script).
+async fn activity_charts_are_drawn_from_the_rows(b: Backend) {
+    let delivered = b
+        .enqueue(vec![
+            domain("OrderPlaced", "{}"),
+            domain("OrderPlaced", "{}"),
+        ])
+        .await;
+    let now = Timestamp::now();
+    let store = b.store();
+    store
+        .claim(&outbox_api::ClaimRequest::new(
+            "console-test",
+            10,
+            Duration::from_secs(60),
+            now,
+        ))
+        .await
+        .unwrap();
+    store.complete(&delivered, now).await.unwrap();
+    b.poisoned(vec![domain("OrderPlaced", "{}")], "boom").await;
+    b.enqueue(vec![domain("OrderPlaced", "{}")]).await;
+    let app = router(console(&b));
+    let overview = get(&app, "/").await;
+    assert!(
+        overview.body.contains(r#"href="/orders/activity""#),
+        "the overview links to the activity: {}",
+        overview.body
+    );
+    let page = get(&app, "/orders/activity").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    page.assert_page();
+    for want in [
+        "2 delivered, 1 failed, 1 poisoned in the hour",
+        r#"aria-label="Messages per minute: delivered, failed (last failed try), poisoned""#,
+        r#"aria-label="Backlog (pending at the end of each minute): pending""#,
+        r#"aria-label="Commit → processed, per minute (upper bound of the class): p50, p99""#,
+    ] {
+        assert!(
+            page.body.contains(want),
+            "missing {want:?} in {}",
+            page.body
+        );
+    }
+    assert_eq!(page.body.matches("<figure class=\"chart\">").count(), 3);
+    assert!(page.body.matches("<polyline").count() >= 4, "{}", page.body);
+    assert!(!page.body.contains("<script"), "no scripts");
+    let missing = get(&app, "/nowhere/activity").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+}
 
 fn console(b: &Backend) -> Console {
     Console::new().outbox("orders", b.store()).unwrap()
@@ -1021,6 +1074,12 @@ impl OperatorStore for Down {
     async fn discard(&self, _: MessageId, _: &str, _: Timestamp) -> outbox_api::Result<()> {
         Err(down())
     }
+    async fn activity_counts(
+        &self,
+        _: &outbox_api::activity::ActivityWindow,
+    ) -> outbox_api::Result<outbox_api::activity::ActivityCounts> {
+        Err(down())
+    }
 }
 
 #[tokio::test]
@@ -1048,7 +1107,11 @@ async fn a_store_that_is_down_gets_a_page_not_a_500() {
         overview.body
     );
     let id = MessageId::new();
-    for uri in ["/down/messages".to_owned(), format!("/down/messages/{id}")] {
+    for uri in [
+        "/down/messages".to_owned(),
+        format!("/down/messages/{id}"),
+        "/down/activity".to_owned(),
+    ] {
         let r = get(&app, &uri).await;
         assert_eq!(
             r.status,

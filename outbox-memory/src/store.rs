@@ -2,6 +2,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use async_trait::async_trait;
+use outbox_api::activity::{ActivityCounts, ActivityWindow, latency_class};
 use outbox_api::backend::Wakeup;
 use outbox_api::{
     ClaimRequest, Clock, Enqueue, Error, ErrorKind, FailOutcome, Failure, ListQuery, Message,
@@ -33,6 +34,9 @@ struct Inner {
     pending: BTreeSet<u64>,
     poisoned: BTreeSet<u64>,
     processed: BTreeSet<(Timestamp, u64)>,
+    /// When each message last failed (what the SQL stores' `failed_at`
+    /// column holds).
+    failed_at: HashMap<u64, Timestamp>,
     inbox: HashMap<(String, MessageId), Timestamp>,
 }
 
@@ -319,11 +323,13 @@ impl Store for MemoryStore {
         let attempts = m.attempts;
         if attempts >= f.max_attempts {
             inner.set_state(seq, MessageState::Poisoned, f.now);
+            inner.failed_at.insert(seq, f.now);
             Ok(FailOutcome::Poisoned { attempts })
         } else {
             m.available_at = f.retry_at;
             m.locked_by = None;
             m.locked_until = None;
+            inner.failed_at.insert(seq, f.now);
             Ok(FailOutcome::Retrying { attempts })
         }
     }
@@ -386,6 +392,7 @@ impl Store for MemoryStore {
             if let Some(m) = inner.rows.remove(&entry.1) {
                 inner.by_id.remove(&m.id);
             }
+            inner.failed_at.remove(&entry.1);
         }
         Ok(victims.len() as u64)
     }
@@ -448,6 +455,52 @@ impl OperatorStore for MemoryStore {
         drop(inner);
         self.shared.wakeup.notify();
         Ok(())
+    }
+
+    async fn activity_counts(&self, window: &ActivityWindow) -> Result<ActivityCounts> {
+        Ok(self.lock().activity_counts(window))
+    }
+}
+
+impl Inner {
+    /// [`OperatorStore::activity_counts`] over the rows pending or
+    /// poisoned now and those processed since the window's start.
+    fn activity_counts(&self, w: &ActivityWindow) -> ActivityCounts {
+        let mut delivered: BTreeMap<(i64, usize), u64> = BTreeMap::new();
+        let mut failed: BTreeMap<(i64, &'static str), u64> = BTreeMap::new();
+        let mut created: BTreeMap<i64, u64> = BTreeMap::new();
+        let processed = self.processed.range((w.since, 0)..).map(|&(_, seq)| seq);
+        let seqs = self
+            .pending
+            .iter()
+            .chain(&self.poisoned)
+            .copied()
+            .chain(processed);
+        for seq in seqs {
+            let m = &self.rows[&seq];
+            *created.entry(w.bucket_of(m.created_at)).or_default() += 1;
+            if let Some(at) = m
+                .processed_at
+                .filter(|_| m.state == MessageState::Processed)
+            {
+                let class = latency_class(at.as_millis() - m.created_at.as_millis());
+                *delivered.entry((w.bucket_of(at), class)).or_default() += 1;
+            }
+            if let Some(&at) = self.failed_at.get(&seq).filter(|&&at| at >= w.since) {
+                *failed
+                    .entry((w.bucket_of(at), m.state.as_str()))
+                    .or_default() += 1;
+            }
+        }
+        ActivityCounts::new(
+            delivered.into_iter().map(|((b, c), n)| (b, c, n)).collect(),
+            failed
+                .into_iter()
+                .filter_map(|((b, s), n)| Some((b, s.parse().ok()?, n)))
+                .collect(),
+            created.into_iter().collect(),
+            self.pending.len() as u64,
+        )
     }
 }
 

@@ -1,6 +1,7 @@
 //! The operators' view of a [`PgStore`]: list, inspect, retry, discard.
 
 use async_trait::async_trait;
+use outbox_api::activity::{ActivityCounts, ActivityWindow};
 use outbox_api::{
     ListQuery, Message, MessageId, MessageState, OperatorAction, OperatorStore, Result, Timestamp,
 };
@@ -134,5 +135,57 @@ impl OperatorStore for PgStore {
     async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> Result<()> {
         self.operator_action(OperatorAction::Discard, id, by, now)
             .await
+    }
+
+    async fn activity_counts(&self, w: &ActivityWindow) -> Result<ActivityCounts> {
+        let what = "counting the outbox's activity";
+        let q = &self.inner.sql.activity;
+        let (since, bucket) = (w.since.as_millis(), w.bucket_ms());
+        let fail = |e| self.fail(e, what);
+        let n = |v: i64| u64::try_from(v).unwrap_or(0);
+        // One snapshot for the four counts.
+        let mut tx = self.inner.pool.begin().await.map_err(fail)?;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let mut grouped = async |sql: &str| {
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(since)
+                .bind(bucket)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(fail)
+        };
+        let mut delivered = Vec::new();
+        for r in grouped(&q.delivered).await? {
+            let class: i64 = r.try_get(1).map_err(fail)?;
+            delivered.push((
+                r.try_get(0).map_err(fail)?,
+                usize::try_from(class).unwrap_or(0),
+                n(r.try_get(2).map_err(fail)?),
+            ));
+        }
+        let mut failed = Vec::new();
+        for r in grouped(&q.failed).await? {
+            let state: String = r.try_get(1).map_err(fail)?;
+            if let Ok(state) = state.parse() {
+                failed.push((
+                    r.try_get(0).map_err(fail)?,
+                    state,
+                    n(r.try_get(2).map_err(fail)?),
+                ));
+            }
+        }
+        let mut created = Vec::new();
+        for r in grouped(&q.created).await? {
+            created.push((r.try_get(0).map_err(fail)?, n(r.try_get(1).map_err(fail)?)));
+        }
+        let pending: i64 = sqlx::query_scalar(AssertSqlSafe(q.pending_now.as_str()))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(ActivityCounts::new(delivered, failed, created, n(pending)))
     }
 }

@@ -1,5 +1,6 @@
 //! Schema and table names, migrations, and the SQL text built from them.
 
+use outbox_api::activity::ActivitySql;
 use outbox_api::backend::{validate_schema_name, validate_table_name};
 use outbox_api::{Error, Result};
 
@@ -145,6 +146,10 @@ const OUTBOX_MIGRATIONS: &[&str] = &[
     // this key is poisoned" never walks the entries of completed ones.
     r#"CREATE SEQUENCE IF NOT EXISTS "{s}"."{t}_retries" AS bigint CACHE 1;
     CREATE INDEX IF NOT EXISTS "{t}_poisoned_keys" ON "{s}"."{t}" (key, seq) WHERE key IS NOT NULL AND state = 'poisoned';"#,
+    // 3: when a message last failed (`Store::fail`, or poisoned as a
+    // corrupt row), for the console's activity charts
+    // (outbox_api::activity). A column without a default: no rewrite.
+    r#"ALTER TABLE "{s}"."{t}" ADD COLUMN IF NOT EXISTS failed_at bigint;"#,
 ];
 
 /// Migrations of the inbox table, in order.
@@ -213,6 +218,8 @@ pub(crate) struct Sql {
     pub list: String,
     pub get: String,
     pub state_of: String,
+    /// The console's activity counts (`outbox_api::activity`).
+    pub activity: ActivitySql,
     pub retry: String,
     pub discard: String,
     pub notify: String,
@@ -352,7 +359,7 @@ impl Sql {
             ),
             poison_seq: format!(
                 "UPDATE {t} SET state = 'poisoned', last_error = $1, locked_by = NULL, \
-                 locked_until = NULL WHERE seq = $2"
+                 locked_until = NULL, failed_at = $3 WHERE seq = $2"
             ),
             unlock_seq: format!(
                 "UPDATE {t} SET locked_by = NULL, locked_until = NULL WHERE seq = $1"
@@ -373,7 +380,7 @@ impl Sql {
                 "UPDATE {t} SET attempts = attempts + 1, last_error = $1,
                    state = CASE WHEN attempts + 1 >= $2 THEN 'poisoned' ELSE 'pending' END,
                    available_at = CASE WHEN attempts + 1 >= $2 THEN available_at ELSE $3 END,
-                   locked_by = NULL, locked_until = NULL
+                   locked_by = NULL, locked_until = NULL, failed_at = $6
                  WHERE id = $4 AND {PENDING_BY_ID} AND locked_by = $5 AND {no_flush}
                  RETURNING attempts, state"
             ),
@@ -406,6 +413,7 @@ impl Sql {
             ),
             get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
             state_of: format!("SELECT state, last_error FROM {t} WHERE id = $1 FOR UPDATE"),
+            activity: ActivitySql::new(&t),
             // A retried message is pending again, maybe below the claim's
             // floor: the `_retries` sequence moves on (after the row is
             // locked, so with this transaction's id taken), and claims stop

@@ -290,6 +290,7 @@ impl PgStore {
                 sqlx::query(AssertSqlSafe(sql.poison_seq.as_str()))
                     .bind(storable(&problem))
                     .bind(d.seq)
+                    .bind(now)
                     .execute(&mut *conn)
                     .await?;
                 parked.extend(key);
@@ -405,6 +406,7 @@ impl Store for PgStore {
             .bind(f.retry_at.as_millis())
             .bind(f.id.as_uuid())
             .bind(&f.worker)
+            .bind(f.now.as_millis())
             .fetch_optional(&self.inner.pool)
             .await
             .map_err(|e| self.fail(e, what))?;

@@ -2,6 +2,7 @@
 //! discard ([`OperatorStore`]).
 
 use async_trait::async_trait;
+use outbox_api::activity::{ActivityCounts, ActivitySql, ActivityWindow};
 use outbox_api::{
     ListQuery, Message, MessageId, MessageState, OperatorAction, OperatorStore, Result, Timestamp,
 };
@@ -125,4 +126,54 @@ impl OperatorStore for SqliteStore {
         self.operator_action(OperatorAction::Discard, id, by, now)
             .await
     }
+
+    async fn activity_counts(&self, w: &ActivityWindow) -> Result<ActivityCounts> {
+        let (since, bucket) = (w.since.as_millis(), w.bucket_ms());
+        self.run("counting the outbox's activity", move |conn, sql| {
+            let q = ActivitySql::new(&sql.outbox);
+            let delivered = conn
+                .prepare_cached(&q.delivered)?
+                .query_map(params![since, bucket], |r| {
+                    Ok((
+                        r.get(0)?,
+                        usize::try_from(r.get::<_, i64>(1)?).unwrap_or(0),
+                        to_u64(r.get(2)?),
+                    ))
+                })?
+                .collect::<rusqlite::Result<_>>()?;
+            let failed = conn
+                .prepare_cached(&q.failed)?
+                .query_map(params![since, bucket], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, String>(1)?,
+                        to_u64(r.get(2)?),
+                    ))
+                })?
+                .collect::<rusqlite::Result<Vec<_>>>()?
+                .into_iter()
+                .filter_map(|(b, state, n)| Some((b, state.parse().ok()?, n)))
+                .collect();
+            let created = conn
+                .prepare_cached(&q.created)?
+                .query_map(params![since, bucket], |r| {
+                    Ok((r.get(0)?, to_u64(r.get(1)?)))
+                })?
+                .collect::<rusqlite::Result<_>>()?;
+            let pending: i64 = conn
+                .prepare_cached(&q.pending_now)?
+                .query_row([], |r| r.get(0))?;
+            Ok(ActivityCounts::new(
+                delivered,
+                failed,
+                created,
+                to_u64(pending),
+            ))
+        })
+        .await
+    }
+}
+
+fn to_u64(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
 }

@@ -48,6 +48,9 @@ const OUTBOX_MIGRATIONS: &[&str] = &[
     CREATE INDEX IF NOT EXISTS {t}_poisoned_idx ON {t} (seq) WHERE state = 'poisoned';
     CREATE INDEX IF NOT EXISTS {t}_key_idx ON {t} (key, seq) WHERE key IS NOT NULL AND state <> 'processed';
     CREATE INDEX IF NOT EXISTS {t}_processed_idx ON {t} (processed_at) WHERE state = 'processed';",
+    // 2: when a message last failed (`Store::fail`, or poisoned as a
+    // corrupt row), for the console's activity charts (outbox_api::activity).
+    "ALTER TABLE {t} ADD COLUMN failed_at INTEGER;",
 ];
 
 /// Migrations of the inbox table, in order; `{t}` is the table name.
@@ -176,7 +179,7 @@ impl Sql {
             ),
             poison_seq: format!(
                 "UPDATE {outbox} SET state = 'poisoned', last_error = ?1, locked_by = NULL, \
-                 locked_until = NULL WHERE seq = ?2"
+                 locked_until = NULL, failed_at = ?3 WHERE seq = ?2"
             ),
             unlock_seq: format!(
                 "UPDATE {outbox} SET locked_by = NULL, locked_until = NULL WHERE seq = ?1"
@@ -189,7 +192,7 @@ impl Sql {
                 "UPDATE {outbox} SET attempts = attempts + 1, last_error = ?1,
                    state = CASE WHEN attempts + 1 >= ?2 THEN 'poisoned' ELSE 'pending' END,
                    available_at = CASE WHEN attempts + 1 >= ?2 THEN available_at ELSE ?3 END,
-                   locked_by = NULL, locked_until = NULL
+                   locked_by = NULL, locked_until = NULL, failed_at = ?6
                  WHERE id = ?4 AND state = 'pending' AND locked_by = ?5
                  RETURNING attempts, state"
             ),

@@ -210,7 +210,7 @@ fn claim_in(tx: &Connection, sql: &Sql, r: &ClaimRequest) -> rusqlite::Result<Ve
             let problem = format!("corrupt row: {}", d.problems.join("; "));
             tracing::error!(table = %t, seq = d.seq, %problem, "poisoning an undecodable outbox row");
             tx.prepare_cached(&sql.poison_seq)?
-                .execute(params![problem, d.seq])?;
+                .execute(params![problem, d.seq, now])?;
             if d.raw_key != rusqlite::types::Value::Null {
                 parked.push(d.raw_key);
             }
@@ -285,7 +285,8 @@ impl Store for SqliteStore {
                 i64::from(f.max_attempts),
                 f.retry_at.as_millis(),
                 f.id.to_string(),
-                f.worker
+                f.worker,
+                f.now.as_millis()
             ])?;
             let Some(row) = rows.next()? else {
                 return Ok(FailOutcome::LeaseLost);

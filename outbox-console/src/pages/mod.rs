@@ -14,11 +14,13 @@ use axum::extract::{ConnectInfo, Path, RawQuery, State as S};
 use axum::http::{Extensions, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::html;
+use outbox_api::activity::ActivityWindow;
 use outbox_api::{
     ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorAction, Stats,
     Timestamp, limits,
 };
 
+use crate::charts;
 use crate::security::Keys;
 use crate::view::{self, error_page, page, respond};
 use crate::{Console, Outbox, SESSION_COOKIE};
@@ -104,6 +106,11 @@ impl State {
             q.append_pair("page", &page.to_string());
         }
         format!("{}/{outbox}/messages?{}", self.prefix, q.finish())
+    }
+
+    /// The activity charts of `outbox`.
+    pub(crate) fn activity_url(&self, outbox: &str) -> String {
+        format!("{}/{outbox}/activity", self.prefix)
     }
 
     /// The saga view of trace `trace_id`.
@@ -226,7 +233,10 @@ pub(crate) async fn overview(S(st): S<Arc<State>>) -> Response {
                                     None => table_health(s, st.backlog_age_alert, now),
                                 };
                                 tr {
-                                    td { a href=(st.list_url(&o.name, "poisoned", None, 1)) { (o.name) } }
+                                    td {
+                                        a href=(st.list_url(&o.name, "poisoned", None, 1)) { (o.name) }
+                                        br; a.note href=(st.activity_url(&o.name)) { "activity" }
+                                    }
                                     td {
                                         span class={ "status " (state_class(status)) } { (status.as_str()) }
                                         @if relay.is_none() { " " span.note { "(from the table)" } }
@@ -261,6 +271,47 @@ pub(crate) async fn overview(S(st): S<Arc<State>>) -> Response {
     };
     respond(StatusCode::OK, page(&st, "Overview", body))
 }
+
+/// `GET {prefix}/{outbox}/activity`: the last hour minute by minute, as
+/// charts.
+pub(crate) async fn activity(S(st): S<Arc<State>>, p: Result<Path<String>, PathRejection>) -> Page {
+    let name = path(&st, p)?;
+    let o = st.outbox(&name)?;
+    let now = Timestamp::now();
+    // The window ends just after now: what happened this millisecond counts.
+    let until = now.saturating_add(Duration::from_millis(1));
+    let window = ActivityWindow::last(ACTIVITY_SPAN, ACTIVITY_BUCKET, until)
+        .map_err(|e| st.store_error("counting the activity", &e))?;
+    let a = o
+        .store
+        .activity(&window)
+        .await
+        .map_err(|e| st.store_error("counting the activity", &e))?;
+    let total = |f: fn(&outbox_api::activity::ActivityBucket) -> u64| -> u64 {
+        a.buckets.iter().map(f).sum()
+    };
+    let body = html! {
+        h1 { "Activity of " (o.name) ", last hour" }
+        p {
+            a href=(st.list_url(&o.name, "poisoned", None, 1)) { "messages" }
+        }
+        p.note {
+            (total(|b| b.delivered)) " delivered, " (total(|b| b.failed)) " failed, "
+            (total(|b| b.poisoned)) " poisoned in the hour to " (now) ". From the outbox's own rows: \
+            what retention purged is not counted; a message that failed several times in a \
+            minute counts once, at its last failed try."
+        }
+        (charts::activity_charts(&a, "60 min ago", "now"))
+    };
+    Ok(respond(
+        StatusCode::OK,
+        page(&st, &format!("Activity of {}", o.name), body),
+    ))
+}
+
+/// How far back the activity page looks, and its bucket.
+const ACTIVITY_SPAN: Duration = Duration::from_secs(3_600);
+const ACTIVITY_BUCKET: Duration = Duration::from_secs(60);
 
 /// `GET {prefix}/style.css`.
 pub(crate) async fn stylesheet() -> Response {

@@ -14,8 +14,8 @@ use crate::{
 mod operator;
 
 pub use operator::{
-    list_filters_by_trace, operator_list_get_retry_discard, purge_removes_old_processed_in_batches,
-    stats_count_states,
+    activity_counts_deliveries_failures_and_backlog, list_filters_by_trace,
+    operator_list_get_retry_discard, purge_removes_old_processed_in_batches, stats_count_states,
 };
 
 /// A fresh, empty store plus the backend-specific way to enqueue into it.
@@ -51,7 +51,8 @@ macro_rules! store_conformance_tests {
             fail_poisons_at_max_attempts, fail_without_lease_changes_nothing,
             release_does_not_count, same_key_waits_for_predecessor, poison_parks_only_its_key,
             claim_filters_by_kind, stats_count_states, purge_removes_old_processed_in_batches,
-            operator_list_get_retry_discard, list_filters_by_trace, commit_wakes_listener,
+            operator_list_get_retry_discard, list_filters_by_trace,
+            activity_counts_deliveries_failures_and_backlog, commit_wakes_listener,
             concurrent_claims_never_overlap, message_fields_round_trip, duplicate_id_is_refused,
             complete_and_claim_completes_first);
     };

@@ -183,3 +183,76 @@ pub async fn list_filters_by_trace(s: &dyn StoreUnderTest) {
         "no trace filter: all"
     );
 }
+
+/// The activity of a window, bucket by bucket: deliveries and their
+/// latency, failures and poisonings by the time given to `fail`, the
+/// backlog at each bucket's end.
+pub async fn activity_counts_deliveries_failures_and_backlog(s: &dyn StoreUnderTest) {
+    let k = s.enqueue((0..5).map(domain).collect()).await;
+    let c0 = get(s, k[0]).await.created_at;
+    let at = |ms: u64| c0.saturating_add(Duration::from_millis(ms));
+    // Six buckets of 10 s from 20 s before the commit: committed in
+    // bucket 2, delivered in bucket 2 after 1.5 s, failed in bucket 3.
+    let window = crate::activity::ActivityWindow::last(
+        Duration::from_secs(60),
+        Duration::from_secs(10),
+        at(40_000),
+    )
+    .unwrap();
+    let empty = s.store().activity(&window).await.unwrap();
+    assert_eq!(empty.buckets.len(), 6);
+    s.store().claim(&req("w", 4, at(1_000))).await.unwrap();
+    s.store().complete(&k[..2], at(1_500)).await.unwrap();
+    s.store()
+        .fail(&failure("w", k[2], at(15_000), 1))
+        .await
+        .unwrap();
+    s.store()
+        .fail(&failure("w", k[3], at(15_000), 5))
+        .await
+        .unwrap();
+    let a = s.store().activity(&window).await.unwrap();
+    let rows: Vec<(u64, u64, u64, u64)> = a
+        .buckets
+        .iter()
+        .map(|b| (b.delivered, b.failed, b.poisoned, b.backlog))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![
+            (0, 0, 0, 0),
+            (0, 0, 0, 0),
+            (2, 0, 0, 3),
+            (0, 2, 1, 2),
+            (0, 0, 0, 2),
+            (0, 0, 0, 2)
+        ],
+        "(delivered, failed, poisoned, backlog) per bucket"
+    );
+    assert_eq!(
+        a.buckets[2].latency_quantile(0.5),
+        Some(2_000),
+        "commit → processed took 1.5 s: the class up to 2 s"
+    );
+    assert_eq!(a.buckets[3].latency_quantile(0.5), None);
+    assert_eq!(
+        a.buckets[0].start.as_millis(),
+        c0.as_millis() - 20_000,
+        "buckets start at the window's start"
+    );
+    // A later window: the deliveries are before it; what is waiting
+    // still is the backlog all along.
+    let later = crate::activity::ActivityWindow::last(
+        Duration::from_secs(60),
+        Duration::from_secs(10),
+        at(100_000),
+    )
+    .unwrap();
+    let a = s.store().activity(&later).await.unwrap();
+    assert!(
+        a.buckets
+            .iter()
+            .all(|b| b.delivered == 0 && b.failed == 0 && b.backlog == 2),
+        "{a:#?}"
+    );
+}
