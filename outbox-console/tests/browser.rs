@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use fantoccini::{Client, ClientBuilder, Locator};
 use outbox::memory::{MemoryStore, MemoryTransport};
-use outbox::{MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store};
+use outbox::{Clock, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store};
 use outbox_console::Console;
 use serde_json::json;
 use tokio::time::Instant;
@@ -338,4 +338,136 @@ async fn operator_retries_a_poisoned_message_in_a_browser_and_the_relay_delivers
     stop.send(()).unwrap();
     server.await.unwrap().unwrap();
     relay.shutdown().await;
+}
+
+/// An hour of traffic in an outbox of its own, written through the store
+/// at the times a manual clock gives: a rate that rises and falls, sixty
+/// deliveries a minute at most (a busy stretch leaves a backlog that
+/// drains after it), a failure every seven minutes (poisoned at the fifth
+/// try, or at once in the 38th minute), and one saga of three messages
+/// under one trace, the last still waiting.
+/// Returns the store and the saga's trace id.
+async fn an_hour_of_traffic() -> (MemoryStore, String) {
+    const TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let start = outbox::Timestamp::now().saturating_sub(Duration::from_secs(3_600));
+    let clock = Arc::new(outbox::ManualClock::new(start));
+    let store = MemoryStore::with_clock(clock.clone());
+    let claim = |now| outbox::ClaimRequest::new("seed", 10_000, Duration::from_secs(60), now);
+    for minute in 0..60u64 {
+        let rate = 20 + (minute * 7 % 23) + if (25..35).contains(&minute) { 40 } else { 0 };
+        let mut tx = store.begin();
+        for n in 0..rate {
+            let mut m = NewMessage::new(
+                outbox::MessageKind::Domain,
+                "OrderPlaced",
+                format!("{{\"order\":{n}}}").into_bytes(),
+            );
+            if minute == 59 && n + 3 >= rate {
+                m = m.trace_parent(format!("00-{TRACE}-00f067aa0ba902b{}-01", rate - n));
+            }
+            tx.enqueue(m).unwrap();
+        }
+        tx.commit().unwrap();
+        let now = clock.now();
+        let claimed = store.claim(&claim(now)).await.unwrap();
+        let ids: Vec<outbox::MessageId> = claimed.iter().map(|m| m.id).collect();
+        // Sixty a minute at most: the busy stretch leaves a backlog, which
+        // drains after it; the newest message of the last minute waits.
+        let (failing, rest) = ids.split_at(usize::from(minute % 7 == 3));
+        let done = rest.len().min(60) - usize::from(minute == 59);
+        let latency = 3 + minute % 9 * 4;
+        store
+            .complete(
+                &rest[..done],
+                now.saturating_add(Duration::from_millis(latency)),
+            )
+            .await
+            .unwrap();
+        store
+            .release(&outbox::Release::new("seed", rest[done..].to_vec(), now))
+            .await
+            .unwrap();
+        for id in failing {
+            let max = if minute == 38 { 1 } else { 5 };
+            let at = now.saturating_add(Duration::from_millis(20));
+            store
+                .fail(&outbox::Failure::new(
+                    "seed",
+                    *id,
+                    "stock service said 503",
+                    at,
+                    max,
+                    at,
+                ))
+                .await
+                .unwrap();
+        }
+        clock.advance(Duration::from_secs(60));
+    }
+    (store, TRACE.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_activity_charts_and_a_saga_in_a_browser() {
+    let driver = start_driver().await;
+    let (store, trace) = an_hour_of_traffic().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let console = Console::new()
+        .outbox("orders", Arc::new(store.clone()) as Arc<dyn OperatorStore>)
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(outbox_console::serve_on(listener, console, async {
+        let _ = stopped.await;
+    }));
+    let profile = tempfile::tempdir().unwrap();
+    let c = browser(&driver, profile.path()).await;
+    c.set_window_size(1000, 1420).await.unwrap();
+    let dir = artifacts();
+
+    // From the overview to the charts.
+    c.goto(&format!("{base}/")).await.unwrap();
+    c.find(Locator::LinkText("activity"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let note = text_of(&c, "p.note").await;
+    assert!(note.contains("poisoned in the hour"), "{note}");
+    // Three charts drawn, each with its lines, and no script on the page.
+    let drawn = c
+        .execute(
+            "return [...document.querySelectorAll('figure.chart svg[role=img]')].map(s => \
+             [s.getBoundingClientRect().width > 300, s.querySelectorAll('polyline').length])
+             .concat([[document.scripts.length]])",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        drawn,
+        json!([[true, 3], [true, 1], [true, 2], [0]]),
+        "three visible charts: three lines, one, two"
+    );
+    std::fs::write(dir.join("activity.png"), c.screenshot().await.unwrap()).unwrap();
+
+    // The saga view of the traced order.
+    c.set_window_size(1200, 520).await.unwrap();
+    c.goto(&format!("{base}/traces/{trace}")).await.unwrap();
+    let saga = text_of(&c, "main table").await;
+    assert_eq!(
+        saga.matches("OrderPlaced").count(),
+        3,
+        "the trace's three messages: {saga}"
+    );
+    assert!(
+        saga.contains("processed") && saga.contains("pending"),
+        "{saga}"
+    );
+    std::fs::write(dir.join("saga.png"), c.screenshot().await.unwrap()).unwrap();
+
+    c.close().await.unwrap();
+    stop.send(()).unwrap();
+    server.await.unwrap().unwrap();
 }
