@@ -143,6 +143,34 @@ fn artifacts() -> PathBuf {
     dir
 }
 
+/// The console over `store` (as outbox "orders"), served on a loopback
+/// port of its own until [`stop`](Served::stop).
+struct Served {
+    base: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<Result<(), outbox_console::ConsoleError>>,
+}
+
+impl Served {
+    async fn start(store: &MemoryStore) -> Served {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let console = Console::new()
+            .outbox("orders", Arc::new(store.clone()) as Arc<dyn OperatorStore>)
+            .unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(outbox_console::serve_on(listener, console, async {
+            let _ = stopped.await;
+        }));
+        Served { base, stop, server }
+    }
+
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        self.server.await.unwrap().unwrap();
+    }
+}
+
 async fn text_of(c: &Client, css: &str) -> String {
     let url = c.current_url().await.map(|u| u.to_string());
     c.find(Locator::Css(css))
@@ -214,15 +242,8 @@ async fn operator_retries_a_poisoned_message_in_a_browser_and_the_relay_delivers
     // The broker takes it from now on; only the operator's retry can send it.
     broker_handle.accept_all();
 
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let console = Console::new()
-        .outbox("orders", Arc::new(store.clone()) as Arc<dyn OperatorStore>)
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(outbox_console::serve_on(listener, console, async {
-        let _ = stopped.await;
-    }));
+    let served = Served::start(&store).await;
+    let base = served.base.clone();
 
     let profile = tempfile::tempdir().unwrap();
     let c = browser(&driver, profile.path()).await;
@@ -335,8 +356,7 @@ async fn operator_retries_a_poisoned_message_in_a_browser_and_the_relay_delivers
     );
 
     c.close().await.unwrap();
-    stop.send(()).unwrap();
-    server.await.unwrap().unwrap();
+    served.stop().await;
     relay.shutdown().await;
 }
 
@@ -411,15 +431,8 @@ async fn an_hour_of_traffic() -> (MemoryStore, String) {
 async fn the_activity_charts_and_a_saga_in_a_browser() {
     let driver = start_driver().await;
     let (store, trace) = an_hour_of_traffic().await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    let console = Console::new()
-        .outbox("orders", Arc::new(store.clone()) as Arc<dyn OperatorStore>)
-        .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(outbox_console::serve_on(listener, console, async {
-        let _ = stopped.await;
-    }));
+    let served = Served::start(&store).await;
+    let base = served.base.clone();
     let profile = tempfile::tempdir().unwrap();
     let c = browser(&driver, profile.path()).await;
     c.set_window_size(1000, 1420).await.unwrap();
@@ -468,6 +481,5 @@ async fn the_activity_charts_and_a_saga_in_a_browser() {
     std::fs::write(dir.join("saga.png"), c.screenshot().await.unwrap()).unwrap();
 
     c.close().await.unwrap();
-    stop.send(()).unwrap();
-    server.await.unwrap().unwrap();
+    served.stop().await;
 }

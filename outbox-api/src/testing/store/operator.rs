@@ -193,12 +193,15 @@ pub async fn activity_counts_deliveries_failures_and_backlog(s: &dyn StoreUnderT
     let at = |ms: u64| c0.saturating_add(Duration::from_millis(ms));
     // Six buckets of 10 s from 20 s before the commit: committed in
     // bucket 2, delivered in bucket 2 after 1.5 s, failed in bucket 3.
-    let window = crate::activity::ActivityWindow::last(
-        Duration::from_secs(60),
-        Duration::from_secs(10),
-        at(40_000),
-    )
-    .unwrap();
+    let minute_to = |until| {
+        crate::activity::ActivityWindow::last(
+            Duration::from_secs(60),
+            Duration::from_secs(10),
+            until,
+        )
+        .unwrap()
+    };
+    let window = minute_to(at(40_000));
     let empty = s.store().activity(&window).await.unwrap();
     assert_eq!(empty.buckets.len(), 6);
     s.store().claim(&req("w", 4, at(1_000))).await.unwrap();
@@ -242,12 +245,7 @@ pub async fn activity_counts_deliveries_failures_and_backlog(s: &dyn StoreUnderT
     );
     // A later window: the deliveries are before it; what is waiting
     // still is the backlog all along.
-    let later = crate::activity::ActivityWindow::last(
-        Duration::from_secs(60),
-        Duration::from_secs(10),
-        at(100_000),
-    )
-    .unwrap();
+    let later = minute_to(at(100_000));
     let a = s.store().activity(&later).await.unwrap();
     assert!(
         a.buckets
