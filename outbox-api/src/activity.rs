@@ -156,9 +156,9 @@ pub struct ActivitySql {
     /// `(bucket, state, count)` of [`ActivityCounts::failed`] (`$1`, `$2`).
     pub failed: String,
     /// `(bucket, count)` of [`ActivityCounts::created`] (`$1`, `$2`).
+    /// ([`ActivityCounts::pending_now`] is the store's own count of its
+    /// pending rows.)
     pub created: String,
-    /// The count of [`ActivityCounts::pending_now`] (no parameters).
-    pub pending_now: String,
 }
 
 impl ActivitySql {
@@ -181,7 +181,6 @@ impl ActivitySql {
                 "SELECT {}, count(*) FROM {table} WHERE {COUNTED} GROUP BY 1",
                 bucket("created_at")
             ),
-            pending_now: format!("SELECT count(*) FROM {table} WHERE state = 'pending'"),
         }
     }
 }

@@ -3,7 +3,7 @@
 //! ([`outbox_api::activity`]) as line charts.
 
 use maud::{Markup, html};
-use outbox_api::activity::{Activity, LATENCY_BOUNDS_MS};
+use outbox_api::activity::{Activity, LATENCY_BOUNDS_MS, latency_class};
 
 const WIDTH: f64 = 720.0;
 const HEIGHT: f64 = 190.0;
@@ -147,12 +147,8 @@ pub(crate) fn activity_charts(a: &Activity, first: &str, last: &str) -> Markup {
         a.buckets
             .iter()
             .map(|b| {
-                b.latency_quantile(q).map(|ms| {
-                    LATENCY_BOUNDS_MS
-                        .iter()
-                        .position(|&x| x == ms)
-                        .unwrap_or(LATENCY_BOUNDS_MS.len()) as f64
-                })
+                b.latency_quantile(q)
+                    .map(|bound| latency_class(bound) as f64)
             })
             .collect()
     };

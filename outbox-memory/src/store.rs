@@ -321,17 +321,17 @@ impl Store for MemoryStore {
         m.attempts += 1;
         m.last_error = Some(f.error.clone());
         let attempts = m.attempts;
-        if attempts >= f.max_attempts {
+        let outcome = if attempts >= f.max_attempts {
             inner.set_state(seq, MessageState::Poisoned, f.now);
-            inner.failed_at.insert(seq, f.now);
-            Ok(FailOutcome::Poisoned { attempts })
+            FailOutcome::Poisoned { attempts }
         } else {
             m.available_at = f.retry_at;
             m.locked_by = None;
             m.locked_until = None;
-            inner.failed_at.insert(seq, f.now);
-            Ok(FailOutcome::Retrying { attempts })
-        }
+            FailOutcome::Retrying { attempts }
+        };
+        inner.failed_at.insert(seq, f.now);
+        Ok(outcome)
     }
 
     async fn release(&self, r: &Release) -> Result<()> {
@@ -467,7 +467,7 @@ impl Inner {
     /// poisoned now and those processed since the window's start.
     fn activity_counts(&self, w: &ActivityWindow) -> ActivityCounts {
         let mut delivered: BTreeMap<(i64, usize), u64> = BTreeMap::new();
-        let mut failed: BTreeMap<(i64, &'static str), u64> = BTreeMap::new();
+        let mut failed: HashMap<(i64, MessageState), u64> = HashMap::new();
         let mut created: BTreeMap<i64, u64> = BTreeMap::new();
         let processed = self.processed.range((w.since, 0)..).map(|&(_, seq)| seq);
         let seqs = self
@@ -487,17 +487,12 @@ impl Inner {
                 *delivered.entry((w.bucket_of(at), class)).or_default() += 1;
             }
             if let Some(&at) = self.failed_at.get(&seq).filter(|&&at| at >= w.since) {
-                *failed
-                    .entry((w.bucket_of(at), m.state.as_str()))
-                    .or_default() += 1;
+                *failed.entry((w.bucket_of(at), m.state)).or_default() += 1;
             }
         }
         ActivityCounts::new(
             delivered.into_iter().map(|((b, c), n)| (b, c, n)).collect(),
-            failed
-                .into_iter()
-                .filter_map(|((b, s), n)| Some((b, s.parse().ok()?, n)))
-                .collect(),
+            failed.into_iter().map(|((b, s), n)| (b, s, n)).collect(),
             created.into_iter().collect(),
             self.pending.len() as u64,
         )

@@ -181,11 +181,8 @@ impl OperatorStore for PgStore {
         for r in grouped(&q.created).await? {
             created.push((r.try_get(0).map_err(fail)?, n(r.try_get(1).map_err(fail)?)));
         }
-        let pending: i64 = sqlx::query_scalar(AssertSqlSafe(q.pending_now.as_str()))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(fail)?;
+        let pending = self.count_state(&mut tx, "pending").await.map_err(fail)?;
         tx.commit().await.map_err(fail)?;
-        Ok(ActivityCounts::new(delivered, failed, created, n(pending)))
+        Ok(ActivityCounts::new(delivered, failed, created, pending))
     }
 }

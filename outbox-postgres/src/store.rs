@@ -306,7 +306,7 @@ impl PgStore {
         Ok(out)
     }
 
-    async fn count_state(
+    pub(crate) async fn count_state(
         &self,
         conn: &mut PgConnection,
         state: &str,

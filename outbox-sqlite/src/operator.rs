@@ -2,7 +2,7 @@
 //! discard ([`OperatorStore`]).
 
 use async_trait::async_trait;
-use outbox_api::activity::{ActivityCounts, ActivitySql, ActivityWindow};
+use outbox_api::activity::{ActivityCounts, ActivityWindow};
 use outbox_api::{
     ListQuery, Message, MessageId, MessageState, OperatorAction, OperatorStore, Result, Timestamp,
 };
@@ -10,7 +10,7 @@ use rusqlite::{Connection, TransactionBehavior, params};
 
 use crate::row::{Decoded, decode};
 use crate::schema::COLUMNS;
-use crate::store::{SqliteStore, to_i64};
+use crate::store::{SqliteStore, count_state, to_i64};
 
 fn state_of(
     conn: &Connection,
@@ -130,8 +130,10 @@ impl OperatorStore for SqliteStore {
     async fn activity_counts(&self, w: &ActivityWindow) -> Result<ActivityCounts> {
         let (since, bucket) = (w.since.as_millis(), w.bucket_ms());
         self.run("counting the outbox's activity", move |conn, sql| {
-            let q = ActivitySql::new(&sql.outbox);
-            let delivered = conn
+            let q = &sql.activity;
+            // One snapshot for the four counts.
+            let tx = conn.transaction()?;
+            let delivered = tx
                 .prepare_cached(&q.delivered)?
                 .query_map(params![since, bucket], |r| {
                     Ok((
@@ -141,7 +143,7 @@ impl OperatorStore for SqliteStore {
                     ))
                 })?
                 .collect::<rusqlite::Result<_>>()?;
-            let failed = conn
+            let failed = tx
                 .prepare_cached(&q.failed)?
                 .query_map(params![since, bucket], |r| {
                     Ok((
@@ -154,21 +156,15 @@ impl OperatorStore for SqliteStore {
                 .into_iter()
                 .filter_map(|(b, state, n)| Some((b, state.parse().ok()?, n)))
                 .collect();
-            let created = conn
+            let created = tx
                 .prepare_cached(&q.created)?
                 .query_map(params![since, bucket], |r| {
                     Ok((r.get(0)?, to_u64(r.get(1)?)))
                 })?
                 .collect::<rusqlite::Result<_>>()?;
-            let pending: i64 = conn
-                .prepare_cached(&q.pending_now)?
-                .query_row([], |r| r.get(0))?;
-            Ok(ActivityCounts::new(
-                delivered,
-                failed,
-                created,
-                to_u64(pending),
-            ))
+            let pending = count_state(&tx, &sql.outbox, "pending")?;
+            tx.commit()?;
+            Ok(ActivityCounts::new(delivered, failed, created, pending))
         })
         .await
     }

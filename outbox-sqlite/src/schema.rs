@@ -1,5 +1,6 @@
 //! Table names, migrations and the SQL text built from them.
 
+use outbox_api::activity::ActivitySql;
 use outbox_api::{Error, Result};
 
 /// Default outbox table name.
@@ -150,6 +151,8 @@ pub(crate) struct Sql {
     pub fail: String,
     pub release: String,
     pub release_worker: String,
+    /// The console's activity counts (`outbox_api::activity`).
+    pub activity: ActivitySql,
 }
 
 impl Sql {
@@ -163,6 +166,7 @@ impl Sql {
             ));
         }
         Ok(Sql {
+            activity: ActivitySql::new(outbox),
             outbox: outbox.to_owned(),
             inbox: inbox.to_owned(),
             insert: format!(

@@ -144,7 +144,7 @@ pub(crate) fn to_i64(n: usize) -> i64 {
 }
 
 /// Rows in `state`, counted over that state's partial index.
-fn count_state(conn: &Connection, t: &str, state: &str) -> rusqlite::Result<u64> {
+pub(crate) fn count_state(conn: &Connection, t: &str, state: &str) -> rusqlite::Result<u64> {
     let n: i64 = conn
         .prepare_cached(&format!("SELECT COUNT(*) FROM {t} WHERE state = '{state}'"))?
         .query_row([], |r| r.get(0))?;
