@@ -124,6 +124,18 @@ async fn produce(fixture: Arc<PgUnderTest>, store: PgStore, record: Arc<Record>,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
+    four_relays(true).await;
+}
+
+/// The same with stores that delete what they complete
+/// (`PgStoreBuilder::keep_processed(false)`): a deleted message counts as
+/// processed for its key's order, and nothing is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_relays_that_delete_what_they_complete_keep_the_same_rules() {
+    four_relays(false).await;
+}
+
+async fn four_relays(keep_processed: bool) {
     let fixture = Arc::new(PgUnderTest::fresh(None).await);
     // One store per relay, as if each ran in a process of its own.
     let mut stores = Vec::new();
@@ -134,6 +146,7 @@ async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
                 .table(fixture.pg().table())
                 .inbox_table(fixture.pg().inbox_table())
                 .max_connections(4)
+                .keep_processed(keep_processed)
                 .connect()
                 .await
                 .unwrap(),
@@ -149,7 +162,7 @@ async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
         .map(|(r, store)| {
             Relay::builder(store.clone())
                 .dispatcher(handlers(record.clone(), r))
-                .worker_id(format!("multi-relay-{r}"))
+                .worker_id(format!("multi-relay-{r}-keep-{keep_processed}"))
                 .batch_size(10)
                 .spawn()
                 .unwrap()
@@ -168,10 +181,14 @@ async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
     for p in producers {
         p.await.unwrap();
     }
+    let kept = if keep_processed { MESSAGES as u64 } else { 0 };
     outbox_api::testing::wait_until(
         "every message is processed",
         Duration::from_secs(60),
-        || async { fixture.pg().stats().await.unwrap().processed == MESSAGES as u64 },
+        || async {
+            let stats = fixture.pg().stats().await.unwrap();
+            stats.pending == 0 && stats.processed == kept
+        },
     )
     .await;
     for relay in &relays {
@@ -205,5 +222,14 @@ async fn four_relays_deliver_each_message_once_in_commit_order_per_key() {
         per_relay.iter().all(|&n| n > 0),
         "every relay took part: {per_relay:?}"
     );
+    let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        r#"SELECT count(*) FROM "{}"."{}""#,
+        fixture.schema(),
+        fixture.pg().table()
+    )))
+    .fetch_one(fixture.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows as u64, kept, "rows left in the table");
     println!("deliveries per relay: {per_relay:?}; contested key writes: {contested}");
 }

@@ -51,6 +51,7 @@ pub struct PgStoreBuilder {
     announce_commits: bool,
     floor_step: Duration,
     durable_bookkeeping: bool,
+    keep_processed: bool,
 }
 
 impl std::fmt::Debug for PgStoreBuilder {
@@ -183,6 +184,25 @@ impl PgStoreBuilder {
         self
     }
 
+    /// Whether a completed message stays in the table as `processed`
+    /// (default `true`) until the relay's `retention` purges it. Operators
+    /// see it there: the console's history, saga and activity pages,
+    /// `outbox show`, the processed count of `stats`.
+    ///
+    /// With `false` a completion deletes the message, as a job queue
+    /// forgets a finished job: one row version fewer per message and
+    /// nothing for a purge to do (the bench figure *drain … against DELETE
+    /// … RETURNING, keep_processed(false)*). Every delivery rule holds as
+    /// with `true`: a deleted message counts as processed for its key's
+    /// order (docs/rules.md, "Completion"). What is given up is the
+    /// record: a delivered message is gone, the activity page counts no
+    /// deliveries, and a message id may be enqueued again once the message
+    /// that had it was delivered (ids are unique among the rows kept).
+    pub fn keep_processed(mut self, keep: bool) -> Self {
+        self.keep_processed = keep;
+        self
+    }
+
     /// The least time between two steps of the claim's floor (default
     /// [`DEFAULT_FLOOR_STEP`], 25 ms): how soon after messages complete
     /// claims stop stepping over their index entries while a long
@@ -257,6 +277,7 @@ impl PgStoreBuilder {
                 announce: self.announce_commits.then_some(self.notify_debounce),
                 floor_step: self.floor_step,
                 durable_bookkeeping: self.durable_bookkeeping,
+                keep_processed: self.keep_processed,
             },
         ))
     }
@@ -297,6 +318,7 @@ impl PgStore {
             announce_commits: true,
             floor_step: DEFAULT_FLOOR_STEP,
             durable_bookkeeping: false,
+            keep_processed: true,
         }
     }
 }

@@ -59,6 +59,9 @@ pub(crate) struct Tuning {
     pub floor_step: Duration,
     /// Whether the relay's bookkeeping commits wait for a WAL flush.
     pub durable_bookkeeping: bool,
+    /// Whether a completion keeps the message as `processed` (else it
+    /// deletes it).
+    pub keep_processed: bool,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -87,6 +90,7 @@ impl PgStore {
             announce,
             floor_step,
             durable_bookkeeping,
+            keep_processed,
         } = tuning;
         let options = pool.connect_options();
         let identity = format!(
@@ -97,7 +101,7 @@ impl PgStore {
             names.schema,
             names.outbox
         );
-        let sql = Arc::new(Sql::new(names, durable_bookkeeping));
+        let sql = Arc::new(Sql::new(names, durable_bookkeeping, keep_processed));
         let announcer = Announcer::new(
             pool.clone(),
             Arc::clone(&sql),

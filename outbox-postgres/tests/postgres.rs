@@ -126,9 +126,9 @@ async fn migrations_from_several_processes_at_once_apply_once() {
         versions,
         [
             ("other_inbox".into(), 1),
-            ("other_outbox".into(), 3),
+            ("other_outbox".into(), 4),
             ("test_inbox".into(), 1),
-            ("test_outbox".into(), 3)
+            ("test_outbox".into(), 4)
         ]
     );
     let options: Option<Vec<String>> = sqlx::query_scalar(

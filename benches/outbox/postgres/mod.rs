@@ -69,14 +69,26 @@ async fn fill(f: &PgUnderTest, n: usize) {
 /// A store on the fixture's table, as a relay in a process of its own
 /// would open it.
 async fn relay_store(f: &PgUnderTest, url: &str, connections: u32) -> PgStore {
-    PgStore::builder(url)
-        .schema(f.schema())
-        .table(f.pg().table())
-        .inbox_table(f.pg().inbox_table())
-        .max_connections(connections)
-        .connect()
-        .await
-        .unwrap()
+    relay_store_with(f, url, connections, |b| b).await
+}
+
+/// [`relay_store`], its builder adjusted by `adjust` first.
+async fn relay_store_with(
+    f: &PgUnderTest,
+    url: &str,
+    connections: u32,
+    adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+) -> PgStore {
+    adjust(
+        PgStore::builder(url)
+            .schema(f.schema())
+            .table(f.pg().table())
+            .inbox_table(f.pg().inbox_table())
+            .max_connections(connections),
+    )
+    .connect()
+    .await
+    .unwrap()
 }
 
 /// The group's parts, each runnable alone: `cargo bench --bench outbox --
