@@ -194,6 +194,15 @@ async fn four_relays(keep_processed: bool) {
     for relay in &relays {
         relay.shutdown().await;
     }
+    let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        r#"SELECT count(*) FROM "{}"."{}""#,
+        fixture.schema(),
+        fixture.pg().table()
+    )))
+    .fetch_one(fixture.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows as u64, kept, "rows left in the table");
 
     let committed = record.committed.lock().await;
     let count = record.count.lock().unwrap();
@@ -222,14 +231,5 @@ async fn four_relays(keep_processed: bool) {
         per_relay.iter().all(|&n| n > 0),
         "every relay took part: {per_relay:?}"
     );
-    let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        r#"SELECT count(*) FROM "{}"."{}""#,
-        fixture.schema(),
-        fixture.pg().table()
-    )))
-    .fetch_one(fixture.pool())
-    .await
-    .unwrap();
-    assert_eq!(rows as u64, kept, "rows left in the table");
     println!("deliveries per relay: {per_relay:?}; contested key writes: {contested}");
 }

@@ -116,10 +116,12 @@ async fn drain_delete(batch: usize, n: usize) -> f64 {
     let t = format!(r#""{}"."{}""#, f.schema(), f.pg().table());
     // Its best layout: full pages (the outbox's are half full, for the
     // leases' sake), so the fewest pages to read and dirty.
-    sqlx::raw_sql(AssertSqlSafe(format!("ALTER TABLE {t} SET (fillfactor = 100)")))
-        .execute(f.pool())
-        .await
-        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "ALTER TABLE {t} SET (fillfactor = 100)"
+    )))
+    .execute(f.pool())
+    .await
+    .unwrap();
     fill(&f, n).await;
     let delete = format!(
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} WHERE state = 'pending' \
