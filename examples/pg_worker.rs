@@ -79,7 +79,7 @@ fn relay(
     worker: &str,
     batch: usize,
     concurrency: usize,
-    seen: Arc<Mutex<Vec<(u64, u64)>>>,
+    seen: Seen,
 ) -> Result<Relay, Failure> {
     let handlers = Handlers::new().on_message("Noop", move |m: &Message| {
         let at = now_us();
@@ -112,10 +112,15 @@ async fn fill(url: &str, schema: &str, n: u64) -> Result<(), Failure> {
     Ok(())
 }
 
-async fn drain(args: &[String]) -> Result<(), Failure> {
+/// What its handler saw: (sequence number, µs since the epoch) per message.
+type Seen = Arc<Mutex<Vec<(u64, u64)>>>;
+
+/// The relay `drain` and `listen` run, from their arguments `URL SCHEMA
+/// WORKER BATCH CONCURRENCY KEEP_PROCESSED`.
+async fn relay_from(args: &[String]) -> Result<(Relay, Seen), Failure> {
     let (url, schema) = (text(args, 2, "URL")?, text(args, 3, "SCHEMA")?);
     let store = store(url, schema, arg(args, 7, "KEEP_PROCESSED")?).await?;
-    let seen = Arc::new(Mutex::new(Vec::new()));
+    let seen = Seen::default();
     let relay = relay(
         store,
         text(args, 4, "WORKER")?,
@@ -123,6 +128,11 @@ async fn drain(args: &[String]) -> Result<(), Failure> {
         arg(args, 6, "CONCURRENCY")?,
         seen.clone(),
     )?;
+    Ok((relay, seen))
+}
+
+async fn drain(args: &[String]) -> Result<(), Failure> {
+    let (relay, seen) = relay_from(args).await?;
     relay.drain().await?;
     let seen = seen.lock().unwrap();
     let first = seen.iter().map(|s| s.1).min().unwrap_or(0);
@@ -141,17 +151,8 @@ fn write_pairs(path: &str, pairs: &[(u64, u64)]) -> Result<(), Failure> {
 }
 
 async fn listen(args: &[String]) -> Result<(), Failure> {
-    let (url, schema) = (text(args, 2, "URL")?, text(args, 3, "SCHEMA")?);
-    let store = store(url, schema, arg(args, 7, "KEEP_PROCESSED")?).await?;
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let handle = relay(
-        store,
-        text(args, 4, "WORKER")?,
-        arg(args, 5, "BATCH")?,
-        arg(args, 6, "CONCURRENCY")?,
-        seen.clone(),
-    )?
-    .spawn()?;
+    let (relay, seen) = relay_from(args).await?;
+    let handle = relay.spawn()?;
     println!("ready");
     // Until the driver closes our standard input.
     tokio::task::spawn_blocking(|| std::io::copy(&mut std::io::stdin(), &mut std::io::sink()))

@@ -196,6 +196,14 @@ impl PgUnderTest {
     }
 }
 
+/// The messages' payloads as text, in order.
+pub fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect()
+}
+
 /// A domain message of type `Test` whose payload is `n` in decimal.
 pub fn test_message(n: usize) -> NewMessage {
     NewMessage::new(MessageKind::Domain, "Test", n.to_string().into_bytes())

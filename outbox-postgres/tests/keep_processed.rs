@@ -12,7 +12,9 @@ use outbox_api::{
     FailOutcome, Failure, MessageKind, MessageState, OperatorStore, Store, Timestamp,
 };
 use outbox_postgres::sqlx::{self, AssertSqlSafe};
-use outbox_postgres::testing::{PgUnderTest, claim_request as claim, test_message as msg};
+use outbox_postgres::testing::{
+    PgUnderTest, claim_request as claim, payloads, test_message as msg,
+};
 
 async fn rows(f: &PgUnderTest) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(format!(
@@ -23,13 +25,6 @@ async fn rows(f: &PgUnderTest) -> i64 {
     .fetch_one(f.pool())
     .await
     .unwrap()
-}
-
-fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
-    messages
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
-        .collect()
 }
 
 #[tokio::test]

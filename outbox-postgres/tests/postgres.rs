@@ -10,16 +10,10 @@ use outbox_api::{
 };
 use outbox_postgres::sqlx::{self, postgres::PgListener};
 use outbox_postgres::testing::{
-    PgUnderTest, claim_request as claim, database_url, listens, test_message as msg, unique_schema,
+    PgUnderTest, claim_request as claim, database_url, listens, payloads, test_message as msg,
+    unique_schema,
 };
 use outbox_postgres::{PgStore, WakeUp};
-
-fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
-    messages
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
-        .collect()
-}
 
 #[tokio::test]
 async fn bad_schema_or_table_name_is_a_config_error_naming_it() {
