@@ -194,15 +194,7 @@ async fn four_relays(keep_processed: bool) {
     for relay in &relays {
         relay.shutdown().await;
     }
-    let rows: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-        r#"SELECT count(*) FROM "{}"."{}""#,
-        fixture.schema(),
-        fixture.pg().table()
-    )))
-    .fetch_one(fixture.pool())
-    .await
-    .unwrap();
-    assert_eq!(rows as u64, kept, "rows left in the table");
+    assert_eq!(fixture.outbox_rows().await, kept, "rows left in the table");
 
     let committed = record.committed.lock().await;
     let count = record.count.lock().unwrap();

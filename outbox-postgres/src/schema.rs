@@ -379,6 +379,8 @@ impl Sql {
             // wait for a flush. Deleting writes no new row version: every
             // test of a key's order reads a missing message as a processed
             // one ("not processed" rows are the ones that stand in the way).
+            // Both forms take the same parameters; the DELETE only checks
+            // that `$1` is bound.
             complete: if keep_processed {
                 format!(
                     "UPDATE {t} SET state = 'processed', processed_at = $1, \

@@ -148,6 +148,19 @@ impl PgUnderTest {
         &self.schema
     }
 
+    /// How many rows the outbox table holds, whatever their state.
+    pub async fn outbox_rows(&self) -> u64 {
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            r#"SELECT count(*) FROM "{}"."{}""#,
+            self.schema,
+            self.store.table()
+        )))
+        .fetch_one(&self.pool)
+        .await
+        .expect("count the outbox rows");
+        n as u64
+    }
+
     /// The test database's URL.
     pub fn url(&self) -> &str {
         &self.url

@@ -217,3 +217,25 @@ async fn a_retried_message_below_the_floor_is_claimed() {
     assert_eq!(claimed.len(), 1);
     assert_eq!(claimed[0].id, poison.id);
 }
+
+/// With a store that deletes what it completes
+/// (`PgStoreBuilder::keep_processed(false)`), the floor rises past the
+/// deleted messages as past processed ones.
+#[tokio::test]
+async fn the_floor_rises_past_deleted_messages() {
+    let f = PgUnderTest::fresh_with(None, |b| b.keep_processed(false)).await;
+    enqueue(&f, 0, 20).await;
+    complete(&f, 15).await;
+    assert_eq!(
+        f.outbox_rows().await,
+        5,
+        "the completed messages are deleted"
+    );
+    floor_reaches(&f, lowest_pending(&f).await.unwrap()).await;
+    let rest = f.pg().claim(&claim(10)).await.unwrap();
+    assert_eq!(
+        rest.len(),
+        5,
+        "the messages left are claimed from the floor"
+    );
+}

@@ -2,30 +2,14 @@
 //! (`PgStoreBuilder::keep_processed(false)`): a completion deletes the
 //! message, and every rule that reads "processed" reads a deleted message
 //! the same way — its key's next message is claimable, a poisoned message
-//! stays for an operator, the backlog and the floor move on
-//! (docs/rules.md, "Completion").
+//! stays for an operator, the backlog moves on (docs/rules.md,
+//! "Completion"; the floor: `floor.rs`).
 
-use std::time::Duration;
-
-use outbox_api::testing::{StoreUnderTest, wait_until};
-use outbox_api::{
-    FailOutcome, Failure, MessageKind, MessageState, OperatorStore, Store, Timestamp,
-};
-use outbox_postgres::sqlx::{self, AssertSqlSafe};
+use outbox_api::testing::StoreUnderTest;
+use outbox_api::{FailOutcome, Failure, MessageState, OperatorStore, Store, Timestamp};
 use outbox_postgres::testing::{
     PgUnderTest, claim_request as claim, payloads, test_message as msg,
 };
-
-async fn rows(f: &PgUnderTest) -> i64 {
-    sqlx::query_scalar(AssertSqlSafe(format!(
-        r#"SELECT count(*) FROM "{}"."{}""#,
-        f.schema(),
-        f.pg().table()
-    )))
-    .fetch_one(f.pool())
-    .await
-    .unwrap()
-}
 
 #[tokio::test]
 async fn a_completion_deletes_and_a_deleted_message_counts_as_processed() {
@@ -49,7 +33,11 @@ async fn a_completion_deletes_and_a_deleted_message_counts_as_processed() {
         .complete(&[ids[0], ids[3]], Timestamp::now())
         .await
         .unwrap();
-    assert_eq!(rows(&f).await, 2, "the completed messages are deleted");
+    assert_eq!(
+        f.outbox_rows().await,
+        2,
+        "the completed messages are deleted"
+    );
     assert!(f.pg().get(ids[0]).await.unwrap().is_none());
     let stats = f.pg().stats().await.unwrap();
     assert_eq!((stats.pending, stats.processed), (2, 0));
@@ -83,49 +71,5 @@ async fn a_completion_deletes_and_a_deleted_message_counts_as_processed() {
         .expect("a poisoned message is kept");
     assert_eq!(kept.state, MessageState::Poisoned);
     assert!(f.pg().claim(&claim(10)).await.unwrap().is_empty());
-    assert_eq!(rows(&f).await, 2);
-}
-
-#[tokio::test]
-async fn the_floor_rises_past_deleted_messages() {
-    let f = PgUnderTest::fresh_with(None, |b| {
-        b.keep_processed(false).claim_floor_step(Duration::ZERO)
-    })
-    .await;
-    f.try_enqueue((0..20).map(msg).collect()).await.unwrap();
-    let done: Vec<_> = f
-        .pg()
-        .claim(&claim(15))
-        .await
-        .unwrap()
-        .iter()
-        .map(|m| m.id)
-        .collect();
-    f.pg().complete(&done, Timestamp::now()).await.unwrap();
-    let lowest: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        r#"SELECT min(seq) FROM "{}"."{}""#,
-        f.schema(),
-        f.pg().table()
-    )))
-    .fetch_one(f.pool())
-    .await
-    .unwrap();
-    wait_until(
-        "the floor reaches the first message left",
-        Duration::from_secs(30),
-        || async {
-            // Every claim gives the floor its step; this one takes nothing
-            // (every message is a domain message).
-            let none = claim(1).with_kind(Some(MessageKind::Integration));
-            assert!(f.pg().claim(&none).await.unwrap().is_empty());
-            f.pg().claim_floor().0 >= lowest
-        },
-    )
-    .await;
-    let rest = f.pg().claim(&claim(10)).await.unwrap();
-    assert_eq!(
-        rest.len(),
-        5,
-        "the messages left are claimed from the floor"
-    );
+    assert_eq!(f.outbox_rows().await, 2);
 }

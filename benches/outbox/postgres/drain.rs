@@ -181,30 +181,20 @@ pub(super) async fn drains(quick: bool) -> Vec<Figure> {
                 // The same relay figure against the cheapest drain there is.
                 let delete = drain_delete(batch, n).await;
                 let forgetting = drain_relays(relays, batch, n, false).await;
-                out.push(
-                    Figure::new(
-                        format!("{name}, keep_processed(false), against DELETE … RETURNING"),
-                        forgetting,
-                        "msg/s",
-                        "≥ 0.5 × DELETE … RETURNING",
-                    )
-                    .beside(
-                        format!("one loop of DELETE … RETURNING {batch} (no lease, no flush)"),
-                        delete,
-                    ),
-                );
-                out.push(
-                    Figure::new(
-                        format!("{name}, against DELETE … RETURNING"),
-                        relay,
-                        "msg/s",
-                        "≥ 0.5 × DELETE … RETURNING",
-                    )
-                    .beside(
-                        format!("one loop of DELETE … RETURNING {batch} (no lease, no flush)"),
-                        delete,
-                    ),
-                );
+                for (what, value) in [(", keep_processed(false)", forgetting), ("", relay)] {
+                    out.push(
+                        Figure::new(
+                            format!("{name}{what}, against DELETE … RETURNING"),
+                            value,
+                            "msg/s",
+                            "≥ 0.5 × DELETE … RETURNING",
+                        )
+                        .beside(
+                            format!("one loop of DELETE … RETURNING {batch} (no lease, no flush)"),
+                            delete,
+                        ),
+                    );
+                }
             }
         }
     }
