@@ -3,10 +3,12 @@
 #![warn(missing_docs)]
 
 mod config;
+mod fleet;
 pub mod metrics;
 mod relay;
 
 pub use config::RelayConfig;
+pub use fleet::{Fleet, FleetBuilder, FleetHealth};
 pub use relay::{DrainReport, Relay, RelayBuilder, RelayHandle};
 
 // The contracts, named one by one so that the facade's surface is a

@@ -16,3 +16,4 @@ impl semantics::Backend for Memory {
 }
 
 semantics_tests!(Memory);
+semantics_tests!(Memory, in_a_fleet);

@@ -17,3 +17,4 @@ impl semantics::Backend for Postgres {
 }
 
 semantics_tests!(Postgres);
+semantics_tests!(Postgres, in_a_fleet);

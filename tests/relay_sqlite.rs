@@ -17,3 +17,4 @@ impl semantics::Backend for Sqlite {
 }
 
 semantics_tests!(Sqlite);
+semantics_tests!(Sqlite, in_a_fleet);

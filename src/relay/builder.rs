@@ -7,11 +7,13 @@ use std::time::Duration;
 use outbox_api::{Clock, Dispatcher, Error, Result, Store, SystemClock, Transport};
 use tokio::sync::Notify;
 
+use super::Budget;
 use super::gate::Gate;
 use super::lifecycle::Lifecycle;
 use super::meter::Meter;
 use super::unavailable::HandlerUnavailability;
 use super::{Counters, Inner, Relay, RelayHandle};
+use crate::Fleet;
 use crate::config::RelayConfig;
 
 /// Builds a [`Relay`]: `Relay::builder(store).dispatcher(..).transport(..).spawn()`.
@@ -21,6 +23,7 @@ pub struct RelayBuilder {
     dispatcher: Option<Arc<dyn Dispatcher>>,
     clock: Arc<dyn Clock>,
     config: RelayConfig,
+    budget: Option<Arc<Budget>>,
 }
 
 impl std::fmt::Debug for RelayBuilder {
@@ -30,6 +33,7 @@ impl std::fmt::Debug for RelayBuilder {
             .field("transport", &self.transport)
             .field("dispatcher", &self.dispatcher)
             .field("config", &self.config)
+            .field("in_fleet", &self.budget.is_some())
             .finish()
     }
 }
@@ -52,6 +56,7 @@ impl RelayBuilder {
             dispatcher: None,
             clock: Arc::new(SystemClock),
             config: RelayConfig::default(),
+            budget: None,
         }
     }
 
@@ -80,6 +85,16 @@ impl RelayBuilder {
     /// Takes the time from `clock` (tests; production uses the wall clock).
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
+        self
+    }
+
+    /// Takes this relay's delivery slots from `fleet`'s shared budget (its
+    /// own `concurrency` stays its limit within it; rule "Fleets" in
+    /// `docs/rules.md`). [`Fleet::add`] does this for the relays it runs;
+    /// a relay built this way and driven by hand ([`Relay::drain`]) shares
+    /// the fleet's slots without being listed in it.
+    pub fn fleet(mut self, fleet: &Fleet) -> Self {
+        self.budget = Some(fleet.budget());
         self
     }
 
@@ -161,6 +176,7 @@ impl RelayBuilder {
                 unavailable,
                 counters: Counters::default(),
                 meter,
+                budget: self.budget,
             }),
         })
     }

@@ -11,8 +11,10 @@
 //! * `gate` — the transport's state and its probe task;
 //! * `upkeep` — retention purge, health and the backlog gauges;
 //! * `meter` — the metrics' handles (names in `crate::metrics`);
-//! * `handle` — the running relay's handle.
+//! * `handle` — the running relay's handle;
+//! * `budget` — a fleet's delivery slots, shared by its members.
 
+mod budget;
 mod builder;
 mod deliver;
 mod gate;
@@ -38,6 +40,7 @@ use tokio::sync::Notify;
 
 use crate::config::RelayConfig;
 
+pub(crate) use budget::Budget;
 pub use builder::RelayBuilder;
 pub use handle::RelayHandle;
 
@@ -67,7 +70,7 @@ pub struct DrainReport {
 }
 
 impl DrainReport {
-    fn add(&mut self, other: DrainReport) {
+    pub(crate) fn add(&mut self, other: DrainReport) {
         self.batches += other.batches;
         self.delivered += other.delivered;
         self.failed += other.failed;
@@ -124,6 +127,9 @@ struct Inner {
     unavailable: HandlerUnavailability,
     counters: Counters,
     meter: meter::Meter,
+    /// In a fleet: the slots shared with the other members, taken on top
+    /// of this relay's own `concurrency`.
+    budget: Option<Arc<Budget>>,
 }
 
 /// The relay engine. Usually [`spawn`](Relay::spawn)ed; tests may also call

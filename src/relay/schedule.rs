@@ -21,6 +21,7 @@ use futures_util::stream::FuturesUnordered;
 use futures_util::{Future, FutureExt, StreamExt};
 use outbox_api::{ClaimRequest, Message, MessageKind, Result, Timestamp, WorkListener};
 
+use super::budget::Slot;
 use super::deliver::DeliveryOutcome;
 use super::meter::TypeMeter;
 use super::settle::{Round, Settlement};
@@ -46,6 +47,8 @@ enum Event {
     Finished(Done),
     Round(Round),
     Commit(bool),
+    /// The fleet's slot this relay waited for.
+    Slot(Slot),
     Nothing,
 }
 
@@ -54,6 +57,7 @@ enum Event {
 type Done = (Vec<(Message, DeliveryOutcome)>, Duration);
 type Delivery = Pin<Box<dyn Future<Output = Done> + Send>>;
 type StoreRound = Pin<Box<dyn Future<Output = Round> + Send>>;
+type SlotWait = Pin<Box<dyn Future<Output = Slot> + Send>>;
 
 pub(super) struct Scheduler<'a> {
     relay: &'a Relay,
@@ -65,6 +69,11 @@ pub(super) struct Scheduler<'a> {
     deliveries: FuturesUnordered<Delivery>,
     /// Messages in flight (a send of n messages holds n slots).
     slots_used: usize,
+    /// In a fleet: this relay's place in the queue for the fleet's next
+    /// free slot (one place at most, so the fleet's slots go round its
+    /// members), and a slot it was handed and has not used yet.
+    slot_wait: Option<SlotWait>,
+    granted: Option<Slot>,
     /// Outcomes not yet handed to a store round.
     pending: Settlement,
     round: Option<StoreRound>,
@@ -103,6 +112,8 @@ impl<'a> Scheduler<'a> {
             busy_keys: HashSet::new(),
             deliveries: FuturesUnordered::new(),
             slots_used: 0,
+            slot_wait: None,
+            granted: None,
             pending: Settlement::default(),
             round: None,
             round_lease_until: None,
@@ -133,6 +144,12 @@ impl<'a> Scheduler<'a> {
             // claim instead of a claim going out alone before them.
             while self.take_finished_at_once() {
                 self.start_ready();
+            }
+            if self.ready.is_empty() {
+                // Nothing waits for a slot: give the place (and a slot
+                // handed over unused) to the fleet's other members.
+                self.slot_wait = None;
+                self.granted = None;
             }
             if self.round.is_none() {
                 self.start_round();
@@ -165,6 +182,10 @@ impl<'a> Scheduler<'a> {
                         self.announced += 1;
                     }
                     self.exhausted = false;
+                }
+                Event::Slot(slot) => {
+                    self.slot_wait = None;
+                    self.granted = Some(slot);
                 }
                 Event::Nothing => {
                     self.give_back_ready();
@@ -199,12 +220,15 @@ impl<'a> Scheduler<'a> {
         let poll_interval = self.relay.inner.config.poll_interval;
         let has_deliveries = !self.deliveries.is_empty();
         let has_round = self.round.is_some();
+        let has_slot_wait = self.slot_wait.is_some();
         let deliveries = &mut self.deliveries;
         let round = &mut self.round;
         let listener = &mut self.listener;
+        let slot_wait = &mut self.slot_wait;
         tokio::select! {
             Some(done) = deliveries.next(), if has_deliveries => Event::Finished(done),
             done = async { round.as_mut().expect("guarded").await }, if has_round => Event::Round(done),
+            slot = async { slot_wait.as_mut().expect("guarded").await }, if has_slot_wait => Event::Slot(slot),
             changed = async { listener.as_mut().expect("guarded").wait(poll_interval).await }, if listen => Event::Commit(changed),
             else => Event::Nothing,
         }
@@ -316,6 +340,7 @@ impl<'a> Scheduler<'a> {
         let now = self.relay.now();
         let transport_up = self.relay.inner.gate.is_up();
         let mut group: Vec<Message> = Vec::new();
+        let mut group_slots: Vec<Slot> = Vec::new();
         let group_max = send_group_size(concurrency);
         let mut i = 0;
         while i < self.ready.len() && self.slots_used + group.len() < concurrency {
@@ -339,38 +364,66 @@ impl<'a> Scheduler<'a> {
                 self.pending.untouched.push(entry.message.id);
                 continue;
             }
+            let Some(slot) = self.fleet_slot() else {
+                // The fleet has no slot free: this relay waits its turn.
+                break;
+            };
             let entry = self.ready.remove(i).expect("in range");
             if let Some(k) = &entry.message.key {
                 self.busy_keys.insert(k.clone());
             }
             if integration {
                 group.push(entry.message);
+                group_slots.extend(slot);
                 if group.len() >= group_max {
-                    self.start_send(std::mem::take(&mut group));
+                    let slots = std::mem::take(&mut group_slots);
+                    self.start_send(std::mem::take(&mut group), slots);
                 }
             } else {
-                self.start_dispatch(entry.message);
+                self.start_dispatch(entry.message, slot);
             }
         }
         if !group.is_empty() {
-            self.start_send(group);
+            self.start_send(group, group_slots);
         }
     }
 
-    fn start_dispatch(&mut self, m: Message) {
+    /// A slot of the fleet's for one more delivery: `Some(None)` outside a
+    /// fleet; `None` when the fleet has none free now, and then this relay
+    /// takes (or keeps) its place in the queue for the next.
+    fn fleet_slot(&mut self) -> Option<Option<Slot>> {
+        let Some(budget) = &self.relay.inner.budget else {
+            return Some(None);
+        };
+        if let Some(slot) = self.granted.take() {
+            return Some(Some(slot));
+        }
+        if self.slot_wait.is_none() {
+            if let Some(slot) = budget.try_take() {
+                return Some(Some(slot));
+            }
+            self.slot_wait = Some(Box::pin(budget.wait()));
+        }
+        None
+    }
+
+    fn start_dispatch(&mut self, m: Message, slot: Option<Slot>) {
         self.slots_used += 1;
         let relay = self.relay.clone();
         self.deliveries.push(Box::pin(async move {
+            // The fleet's slot is given back when the delivery ends.
+            let _slot = slot;
             let started = Instant::now();
             let outcome = relay.dispatch_one(&m).await;
             (vec![(m, outcome)], started.elapsed())
         }));
     }
 
-    fn start_send(&mut self, group: Vec<Message>) {
+    fn start_send(&mut self, group: Vec<Message>, slots: Vec<Slot>) {
         self.slots_used += group.len();
         let relay = self.relay.clone();
         self.deliveries.push(Box::pin(async move {
+            let _slots = slots;
             let started = Instant::now();
             let outcomes = relay.send(&group).await;
             (group.into_iter().zip(outcomes).collect(), started.elapsed())

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox::memory::{MemoryTransport, MemoryTransportHandle};
 use outbox::{
-    ClaimRequest, Handlers, HealthStatus, ManualClock, Message, MessageId, MessageKind,
+    ClaimRequest, Fleet, Handlers, HealthStatus, ManualClock, Message, MessageId, MessageKind,
     MessageState, NewMessage, Relay, RelayBuilder, Timestamp, TransportHealth,
 };
 use outbox_api::testing::StoreUnderTest;
@@ -97,8 +97,68 @@ pub fn worker_id(name: &str) -> String {
     format!("{name}-{}", NEXT.fetch_add(1, Ordering::SeqCst))
 }
 
+tokio::task_local! {
+    /// The fleet every relay of a rule joins, when the rule runs in one
+    /// (`semantics_tests!(Backend, in_a_fleet)`).
+    static FLEET: Fleet;
+}
+
+/// A relay over the fixture's store; in a fleet when the rule runs in one.
+pub fn builder(f: &Fixture) -> RelayBuilder {
+    let builder = Relay::builder_shared(f.store());
+    match FLEET.try_with(Fleet::clone) {
+        Ok(fleet) => builder.fleet(&fleet),
+        Err(_) => builder,
+    }
+}
+
+/// Runs a rule as it is written: its relays alone.
+pub async fn alone<F: std::future::Future>(rule: F) -> F::Output {
+    rule.await
+}
+
+/// Runs a rule with its relays in a fleet of 4 slots whose other outbox
+/// has a deep backlog of slow deliveries (20 ms each, up to 2 at a time):
+/// every rule holds for an outbox that shares its slots.
+pub async fn in_a_fleet<F: std::future::Future>(rule: F) -> F::Output {
+    let fleet = Fleet::builder()
+        .concurrency(4)
+        .worker_id(worker_id("fleet"))
+        .build()
+        .unwrap();
+    let neighbour = outbox::memory::MemoryStore::new();
+    let mut tx = neighbour.begin();
+    for n in 0..10_000 {
+        tx.enqueue(dmsg("Busy", n)).unwrap();
+    }
+    tx.commit().unwrap();
+    let delivered = Arc::new(AtomicUsize::new(0));
+    let counted = delivered.clone();
+    let busy = Handlers::new().on_message("Busy", move |_: &Message| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok::<_, std::io::Error>(())
+        }
+    });
+    fleet
+        .add(
+            "neighbour",
+            Relay::builder(neighbour).dispatcher(busy).concurrency(2),
+        )
+        .unwrap();
+    wait_until("the neighbouring outbox delivers", || {
+        let d = delivered.load(Ordering::Relaxed);
+        async move { d > 0 }
+    })
+    .await;
+    let out = FLEET.scope(fleet.clone(), rule).await;
+    fleet.shutdown().await;
+    out
+}
+
 pub fn relay(f: &Fixture, clock: &Arc<ManualClock>, log: &Log) -> RelayBuilder {
-    Relay::builder_shared(f.store())
+    builder(f)
         .clock(clock.clone())
         .dispatcher(handlers(log))
         .worker_id(worker_id("relay-a"))
@@ -291,7 +351,7 @@ pub async fn processed_only_after_success(f: Fixture, clock: Arc<ManualClock>) {
 }
 
 fn relay_with_transport_only(f: &Fixture, clock: &Arc<ManualClock>, t: MemoryTransport) -> Relay {
-    Relay::builder_shared(f.store())
+    builder(f)
         .clock(clock.clone())
         .transport(t)
         .build()
@@ -320,8 +380,17 @@ pub async fn outage_does_not_count(f: Fixture, clock: Arc<ManualClock>) {
             (0, MessageState::Pending),
             "outages never count"
         );
-        assert!(m.last_error.unwrap().contains("transport unavailable"));
+        // Those sent when it went down say why; those not yet sent (in a
+        // fleet, sends are as large as the free slots) were given back
+        // untouched.
+        let said = m.last_error.as_deref().unwrap_or("transport unavailable");
+        assert!(said.contains("transport unavailable"), "{said}");
     }
+    let first_refused = get(&f, ids[3]).await.last_error.unwrap_or_default();
+    assert!(
+        first_refused.contains("transport unavailable"),
+        "{first_refused}"
+    );
     let health = relay.health().await;
     assert!(
         matches!(health.transport, TransportHealth::Down(_)),
@@ -386,7 +455,7 @@ pub async fn many_relays_deliver_each_once(f: Fixture, clock: Arc<ManualClock>) 
             async { Ok::<_, std::io::Error>(()) }
         });
         handles.push(
-            Relay::builder_shared(f.store())
+            builder(&f)
                 .clock(clock.clone())
                 .dispatcher(handlers)
                 .worker_id(worker_id(&format!("relay-{w}")))
@@ -577,7 +646,7 @@ pub async fn a_keys_later_messages_never_outlive_their_lease(f: Fixture, clock: 
     let ids = f
         .enqueue((0..3).map(|n| dmsg("Timed", n).key("k")).collect())
         .await;
-    let relay = Relay::builder_shared(f.store())
+    let relay = builder(&f)
         .clock(clock.clone())
         .dispatcher(handlers)
         .lease(Duration::from_secs(60))
@@ -623,7 +692,7 @@ pub async fn a_slow_handler_holds_one_slot(f: Fixture, clock: Arc<ManualClock>) 
     let mut batch = vec![dmsg("Stuck", 0).key("slow")];
     batch.extend((1..60).map(|n| dmsg("Ok", n).key(format!("k{n}"))));
     let ids = f.enqueue(batch).await;
-    let relay = Relay::builder_shared(f.store())
+    let relay = builder(&f)
         .clock(clock.clone())
         .dispatcher(handlers)
         .batch_size(10)
@@ -681,7 +750,7 @@ pub async fn deliveries_waiting_for_a_slot_never_outlive_their_lease(
     });
     // Keyless: nothing orders them but the single slot.
     let ids = f.enqueue((0..4).map(|n| dmsg("Timed", n)).collect()).await;
-    let relay = Relay::builder_shared(f.store())
+    let relay = builder(&f)
         .clock(clock.clone())
         .dispatcher(handlers)
         .concurrency(1)
@@ -731,7 +800,7 @@ pub async fn an_unavailable_handler_is_retried_uncounted(f: Fixture, clock: Arc<
     let ids = f
         .enqueue(vec![dmsg("Flaky", 1).key("k"), dmsg("Ok", 2).key("k")])
         .await;
-    let handle = Relay::builder_shared(f.store())
+    let handle = builder(&f)
         .clock(clock.clone())
         .dispatcher(handlers)
         .max_attempts(3)
@@ -845,7 +914,7 @@ pub async fn shutdown_finishes_and_releases(f: Fixture, clock: Arc<ManualClock>)
     let ids = f
         .enqueue((0..3).map(|n| dmsg("Gated", n).key("k")).collect())
         .await;
-    let handle = Relay::builder_shared(f.store())
+    let handle = builder(&f)
         .clock(clock.clone())
         .dispatcher(handlers)
         .worker_id(worker_id("stopping"))
@@ -1001,7 +1070,7 @@ pub async fn bad_configuration_is_refused(f: Fixture, clock: Arc<ManualClock>) {
     assert!(err(relay(&f, &clock, &log).lease(Duration::ZERO)).contains("`lease`"));
     assert!(err(relay(&f, &clock, &log).poll_interval(Duration::ZERO)).contains("`poll_interval`"));
     assert!(err(relay(&f, &clock, &log).lease(Duration::from_secs(1))).contains("handler_timeout"));
-    assert!(err(Relay::builder_shared(f.store())).contains("needs a dispatcher"));
+    assert!(err(builder(&f)).contains("needs a dispatcher"));
 }
 
 pub trait ClockExt {
@@ -1018,7 +1087,18 @@ impl ClockExt for Arc<ManualClock> {
 #[macro_export]
 macro_rules! semantics_tests {
     ($backend:ty) => {
-        $crate::semantics_tests!(@each $backend;
+        $crate::semantics_tests!(@rules $backend; alone);
+    };
+    // Every rule again, for an outbox in a fleet whose other outbox keeps
+    // its slots busy.
+    ($backend:ty, in_a_fleet) => {
+        mod in_a_fleet {
+            use super::*;
+            $crate::semantics_tests!(@rules $backend; in_a_fleet);
+        }
+    };
+    (@rules $backend:ty; $how:ident) => {
+        $crate::semantics_tests!(@each $backend; $how;
             original_configuration, batches_drain_until_empty, each_message_in_its_own_scope,
             processed_only_after_success, outage_does_not_count, crash_redelivers_after_lease,
             many_relays_deliver_each_once, per_key_order, poison_parks_only_its_key,
@@ -1029,14 +1109,14 @@ macro_rules! semantics_tests {
             an_unavailable_handler_is_retried_uncounted,
             a_restarted_relay_takes_back_its_own_leases);
     };
-    (@each $backend:ty; $($name:ident),* $(,)?) => {
+    (@each $backend:ty; $how:ident; $($name:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $name() {
                 outbox_api::testing::quiet_deliberate_panics();
                 let clock = semantics::clock();
                 let fixture = <$backend as semantics::Backend>::fresh(clock.clone()).await;
-                semantics::$name(fixture, clock).await;
+                semantics::$how(semantics::$name(fixture, clock)).await;
             }
         )*
     };

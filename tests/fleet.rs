@@ -1,0 +1,252 @@
+//! A fleet of outboxes in one relay process (rule "Fleets" in
+//! `docs/rules.md`): the fleet's slots go round the outboxes with work, an
+//! outbox whose handler is down holds back only its own messages, and
+//! outboxes join and leave while it runs. (Every relay rule for an outbox
+//! inside a fleet: `relay_memory`, `relay_sqlite`, `relay_postgres`, in
+//! their `in_a_fleet` modules.)
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox::memory::MemoryStore;
+use outbox::{
+    ErrorKind, Fleet, Handlers, HealthStatus, Message, MessageKind, NewMessage, Relay,
+    TemporarilyUnavailable,
+};
+use outbox_api::testing::wait_until;
+
+const DEADLINE: Duration = Duration::from_secs(30);
+
+fn msg(t: &str, n: usize) -> NewMessage {
+    NewMessage::new(MessageKind::Domain, t, n.to_string().into_bytes())
+}
+
+fn store_with(t: &str, n: usize) -> MemoryStore {
+    let store = MemoryStore::new();
+    let mut tx = store.begin();
+    for i in 0..n {
+        tx.enqueue(msg(t, i)).unwrap();
+    }
+    tx.commit().unwrap();
+    store
+}
+
+fn fleet(slots: usize, name: &str) -> Fleet {
+    // A worker id of this test's own: live ids are refused process-wide.
+    Fleet::builder()
+        .concurrency(slots)
+        .worker_id(format!("fleet-test-{name}"))
+        .build()
+        .unwrap()
+}
+
+/// Counts deliveries, each taking `each`.
+fn counting(t: &'static str, count: &Arc<AtomicUsize>, each: Duration) -> Handlers {
+    let count = count.clone();
+    Handlers::new().on_message(t, move |_: &Message| {
+        count.fetch_add(1, Ordering::SeqCst);
+        async move {
+            tokio::time::sleep(each).await;
+            Ok::<_, std::io::Error>(())
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deep_backlog_delays_a_fresh_message_of_another_outbox_by_a_few_deliveries() {
+    let fleet = fleet(2, "backlog");
+    let hot_started = Arc::new(AtomicUsize::new(0));
+    // The hot outbox alone could fill every slot of the fleet many times over.
+    fleet
+        .add(
+            "hot",
+            Relay::builder(store_with("Hot", 20_000))
+                .dispatcher(counting("Hot", &hot_started, Duration::from_millis(5)))
+                .concurrency(64)
+                .batch_size(100),
+        )
+        .unwrap();
+    let quiet = MemoryStore::new();
+    // How many hot deliveries had started when the quiet one started.
+    let seen: Arc<Mutex<Vec<usize>>> = Arc::default();
+    let (s, hot) = (seen.clone(), hot_started.clone());
+    fleet
+        .add(
+            "quiet",
+            Relay::builder(quiet.clone()).dispatcher(Handlers::new().on_message(
+                "Quiet",
+                move |_: &Message| {
+                    s.lock().unwrap().push(hot.load(Ordering::SeqCst));
+                    async { Ok::<_, std::io::Error>(()) }
+                },
+            )),
+        )
+        .unwrap();
+    wait_until("the hot outbox fills the fleet's slots", DEADLINE, || {
+        let (n, busy) = (hot_started.load(Ordering::SeqCst), fleet.in_flight());
+        async move { n > 50 && busy == 2 }
+    })
+    .await;
+    let mut gaps = Vec::new();
+    for i in 0..20 {
+        let before = hot_started.load(Ordering::SeqCst);
+        let mut tx = quiet.begin();
+        tx.enqueue(msg("Quiet", i)).unwrap();
+        tx.commit().unwrap();
+        wait_until("the quiet outbox's message is delivered", DEADLINE, || {
+            let done = seen.lock().unwrap().len() > i;
+            async move { done }
+        })
+        .await;
+        gaps.push(seen.lock().unwrap()[i] - before);
+    }
+    let hot_left = 20_000 - hot_started.load(Ordering::SeqCst);
+    assert!(hot_left > 0, "the hot outbox's backlog outlasted the test");
+    // The quiet message waits for the slot a hot delivery frees, behind at
+    // most the hot outbox's one place in the queue: a few hot deliveries
+    // (those started while its relay claimed it), never the backlog's
+    // thousands.
+    let worst = *gaps.iter().max().unwrap();
+    eprintln!("hot deliveries started before each quiet one: {gaps:?}");
+    assert!(
+        worst <= 6,
+        "a fresh message waited behind {worst} deliveries of the hot outbox (each: {gaps:?})"
+    );
+    fleet.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outbox_whose_handler_is_down_holds_back_only_its_own_messages() {
+    let fleet = fleet(2, "down");
+    let tried = Arc::new(AtomicUsize::new(0));
+    let t = tried.clone();
+    fleet
+        .add(
+            "down",
+            Relay::builder(store_with("Pay", 1_000))
+                .dispatcher(Handlers::new().on_message("Pay", move |_: &Message| {
+                    t.fetch_add(1, Ordering::SeqCst);
+                    async {
+                        Err::<(), _>(TemporarilyUnavailable::new(
+                            "the payment service answers 503",
+                        ))
+                    }
+                }))
+                .concurrency(64),
+        )
+        .unwrap();
+    // A handler that hangs holds at most its outbox's own limit of slots.
+    fleet
+        .add(
+            "hanging",
+            Relay::builder(store_with("Hang", 100))
+                .dispatcher(counting("Hang", &Arc::default(), Duration::from_secs(3600)))
+                .concurrency(1),
+        )
+        .unwrap();
+    let delivered = Arc::new(AtomicUsize::new(0));
+    let up = store_with("Ship", 300);
+    fleet
+        .add(
+            "up",
+            Relay::builder(up.clone()).dispatcher(counting(
+                "Ship",
+                &delivered,
+                Duration::from_millis(1),
+            )),
+        )
+        .unwrap();
+    wait_until("the healthy outbox delivers all it has", DEADLINE, || {
+        let up = up.clone();
+        async move { outbox::Store::stats(&up).await.unwrap().pending == 0 }
+    })
+    .await;
+    assert_eq!(delivered.load(Ordering::SeqCst), 300, "each once");
+    assert!(
+        tried.load(Ordering::SeqCst) > 0,
+        "the down outbox was tried"
+    );
+    let health = fleet.health().await;
+    assert_eq!(health.status, HealthStatus::Degraded, "{health:?}");
+    assert_eq!(health.not_healthy(), vec!["down"], "{health:?}");
+    assert_eq!(health.outboxes["up"].pending, 0);
+    assert_eq!(
+        health.outboxes["down"].pending, 1_000,
+        "nothing of it is lost"
+    );
+    // Dropped, not shut down: a shutdown would wait for the hanging
+    // handler's timeout.
+    drop(fleet);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outboxes_join_and_leave_while_the_fleet_runs() {
+    let fleet = fleet(4, "membership");
+    let delivered = Arc::new(AtomicUsize::new(0));
+    let relay = |store: &MemoryStore| {
+        Relay::builder(store.clone()).dispatcher(counting("T", &delivered, Duration::ZERO))
+    };
+    let stores: Vec<MemoryStore> = (0..3).map(|_| store_with("T", 10)).collect();
+    for (i, store) in stores.iter().enumerate() {
+        let handle = fleet.add(format!("tenant-{i}"), relay(store)).unwrap();
+        assert_eq!(
+            handle.relay().config().worker_id,
+            format!("fleet-test-membership/tenant-{i}")
+        );
+        assert_eq!(handle.relay().config().name, format!("tenant-{i}"));
+    }
+    assert_eq!(fleet.outboxes(), ["tenant-0", "tenant-1", "tenant-2"]);
+    fleet.until_idle().await.unwrap();
+    assert_eq!(delivered.load(Ordering::SeqCst), 30);
+
+    // A name twice, a bad name, an unknown name: refused, nothing changed.
+    let e = fleet.add("tenant-1", relay(&stores[1])).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Conflict, "{e}");
+    assert!(e.to_string().contains("tenant-1"), "{e}");
+    for bad in ["", "two words", "tab\there"] {
+        let e = fleet.add(bad, relay(&stores[0])).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput, "{bad:?}: {e}");
+    }
+    let e = fleet.remove("tenant-9").await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert_eq!(fleet.len(), 3);
+
+    // A tenant leaves: its messages wait in its store, untouched.
+    fleet.remove("tenant-1").await.unwrap();
+    assert_eq!(fleet.outboxes(), ["tenant-0", "tenant-2"]);
+    let mut tx = stores[1].begin();
+    for i in 0..5 {
+        tx.enqueue(msg("T", i)).unwrap();
+    }
+    tx.commit().unwrap();
+    fleet.until_idle().await.unwrap();
+    assert_eq!(
+        delivered.load(Ordering::SeqCst),
+        30,
+        "a removed outbox is not relayed"
+    );
+    assert_eq!(outbox::Store::stats(&stores[1]).await.unwrap().pending, 5);
+    // It joins again under the same name (and worker id) and catches up.
+    fleet.add("tenant-1", relay(&stores[1])).unwrap();
+    fleet.until_idle().await.unwrap();
+    assert_eq!(delivered.load(Ordering::SeqCst), 35);
+    assert_eq!(
+        fleet.totals().delivered,
+        35 - 10,
+        "totals of the members now"
+    );
+    assert_eq!(fleet.health().await.status, HealthStatus::Healthy);
+
+    fleet.shutdown().await;
+    assert!(fleet.is_empty());
+}
+
+#[test]
+fn a_fleet_refuses_a_bad_configuration() {
+    let e = Fleet::builder().concurrency(0).build().unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.to_string().contains("concurrency"), "{e}");
+    let e = Fleet::builder().worker_id(" ").build().unwrap_err();
+    assert!(e.to_string().contains("worker_id"), "{e}");
+}
