@@ -13,6 +13,7 @@ use crate::error::{connecting, password_of};
 use crate::floor::DEFAULT_FLOOR_STEP;
 use crate::listener::WakeUp;
 use crate::schema::{self, Names};
+use crate::shared_listener::PgSharedListener;
 use crate::store::PgStore;
 use crate::store::Tuning;
 
@@ -46,6 +47,7 @@ pub struct PgStoreBuilder {
     /// with `builder_with_pool`, whose pool has its own).
     pool_setting: Option<&'static str>,
     wake_up: WakeUp,
+    shared_listener: Option<PgSharedListener>,
     poll: Duration,
     notify_debounce: Duration,
     announce_commits: bool,
@@ -66,6 +68,7 @@ impl std::fmt::Debug for PgStoreBuilder {
             .field("table", &self.table)
             .field("inbox_table", &self.inbox_table)
             .field("wake_up", &self.wake_up)
+            .field("shared_listener", &self.shared_listener.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -137,6 +140,15 @@ impl PgStoreBuilder {
     /// transaction mode).
     pub fn wake_up(mut self, mode: WakeUp) -> Self {
         self.wake_up = mode;
+        self
+    }
+
+    /// Listens for other processes' commits through `shared`, one `LISTEN`
+    /// connection for every store built with it (a fleet's tenant schemas
+    /// in one database), instead of a connection per listening relay. With
+    /// [`WakeUp::PollOnly`] nothing listens and this is refused.
+    pub fn listen_through(mut self, shared: &PgSharedListener) -> Self {
+        self.shared_listener = Some(shared.clone());
         self
     }
 
@@ -226,6 +238,12 @@ impl PgStoreBuilder {
                 return Err(Error::config(field, "must be greater than zero"));
             }
         }
+        if self.shared_listener.is_some() && self.wake_up == WakeUp::PollOnly {
+            return Err(Error::config(
+                "listen_through",
+                "a store that only polls (WakeUp::PollOnly) does not listen: drop one of the two",
+            ));
+        }
         if self.max_connections == 0 {
             return Err(Error::config("max_connections", "must be at least 1"));
         }
@@ -273,6 +291,7 @@ impl PgStoreBuilder {
             self.clock,
             Tuning {
                 wake_up: self.wake_up,
+                shared_listener: self.shared_listener,
                 poll: self.poll,
                 announce: self.announce_commits.then_some(self.notify_debounce),
                 floor_step: self.floor_step,
@@ -313,6 +332,7 @@ impl PgStore {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             pool_setting: None,
             wake_up: WakeUp::default(),
+            shared_listener: None,
             poll: DEFAULT_POLL,
             notify_debounce: DEFAULT_NOTIFY_DEBOUNCE,
             announce_commits: true,

@@ -15,6 +15,7 @@ mod operator;
 mod outbox;
 mod row;
 mod schema;
+mod shared_listener;
 mod store;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -31,6 +32,7 @@ pub use inbox::PgInbox;
 pub use listener::{PgWorkListener, WakeUp};
 pub use outbox::{PgEnqueue, PgOutbox};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};
+pub use shared_listener::PgSharedListener;
 pub use store::PgStore;
 
 /// The sqlx version this crate links against, re-exported so that

@@ -18,6 +18,7 @@ use crate::listener::{PgWorkListener, WakeUp};
 use crate::outbox::PgOutbox;
 use crate::row::decode;
 use crate::schema::{Names, Sql};
+use crate::shared_listener::PgSharedListener;
 
 /// An outbox table (and its inbox) in PostgreSQL: the relay's [`Store`] and
 /// the operators' [`OperatorStore`](outbox_api::OperatorStore).
@@ -42,6 +43,7 @@ pub(crate) struct Inner {
     outbox: PgOutbox,
     pub(crate) announcer: Announcer,
     wake_up: WakeUp,
+    shared_listener: Option<PgSharedListener>,
     poll: Duration,
     floor: ClaimFloor,
 }
@@ -50,6 +52,8 @@ pub(crate) struct Inner {
 /// builder).
 pub(crate) struct Tuning {
     pub wake_up: WakeUp,
+    /// The `LISTEN` connection shared with other stores, if any.
+    pub shared_listener: Option<PgSharedListener>,
     /// How often a listener that cannot `LISTEN` reports a change.
     pub poll: Duration,
     /// The `NOTIFY` debounce when enqueues announce their commits, `None`
@@ -86,6 +90,7 @@ impl PgStore {
     ) -> PgStore {
         let Tuning {
             wake_up,
+            shared_listener,
             poll,
             announce,
             floor_step,
@@ -118,6 +123,7 @@ impl PgStore {
                 pool,
                 announcer,
                 wake_up,
+                shared_listener,
                 poll,
                 floor: ClaimFloor::new(floor_step),
             }),
@@ -517,6 +523,7 @@ impl Store for PgStore {
             self.inner.announcer.local(),
             self.inner.wake_up,
             &self.inner.pool.connect_options(),
+            self.inner.shared_listener.as_ref(),
             &self.inner.sql.names.channel(),
             self.inner.poll,
         ))

@@ -1,0 +1,303 @@
+//! [`PgSharedListener`]: one `LISTEN` connection for the outboxes of many
+//! schemas (or tables) of one database, such as a fleet's tenants. Each
+//! store built with it hears its own table's channel only, so a commit
+//! wakes exactly its outbox's relay.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
+use tokio::sync::{Notify, watch};
+use tokio::task::JoinHandle;
+
+/// How long the listener waits before connecting again after a failure,
+/// at first and at most.
+const RECONNECT_FIRST: Duration = Duration::from_millis(100);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// One `LISTEN` connection shared by every [`PgStore`](crate::PgStore)
+/// built with it ([`PgStoreBuilder::listen_through`](crate::PgStoreBuilder::listen_through)):
+/// a fleet of a thousand tenant schemas holds one connection for its
+/// wake-ups instead of a thousand. A notification on a table's channel
+/// wakes the listeners of that table only.
+///
+/// The connection is opened with the options of the pool given to
+/// [`new`](Self::new), beside that pool (never taken from it), when the
+/// first relay listens, and closed when the last clone of this handle and
+/// the last store built with it are gone. A channel is listened to while
+/// some relay listens on it; when the connection breaks, every relay
+/// listening through it is told (to claim once and catch up) and polls
+/// until the connection is back, as with a connection of its own
+/// ([`PgWorkListener`](crate::PgWorkListener)).
+#[derive(Clone)]
+pub struct PgSharedListener {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    options: PgConnectOptions,
+    registry: Arc<Registry>,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Some(task) = self
+            .task
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            task.abort();
+        }
+    }
+}
+
+/// The channels listened for, and who listens.
+#[derive(Default)]
+struct Registry {
+    channels: Mutex<HashMap<String, Channel>>,
+    /// A channel was added or dropped: the connection's task listens or
+    /// stops listening.
+    changed: Notify,
+    listening: Arc<AtomicBool>,
+}
+
+struct Channel {
+    changes: watch::Sender<u64>,
+    listeners: usize,
+    /// `LISTEN` on it has taken effect on the connection that is up.
+    listened: bool,
+}
+
+impl std::fmt::Debug for PgSharedListener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgSharedListener")
+            .field("channels", &self.channels())
+            .field("listening", &self.is_listening())
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl PgSharedListener {
+    /// A shared listener for the database of `pool` (its connect options;
+    /// no connection is opened yet).
+    pub fn new(pool: &PgPool) -> Self {
+        Self::with_options(&pool.connect_options())
+    }
+
+    /// A listener for the database `options` connect to: shared by a
+    /// fleet's stores, or one relay's own.
+    pub(crate) fn with_options(options: &PgConnectOptions) -> Self {
+        PgSharedListener {
+            inner: Arc::new(Inner {
+                options: options.clone(),
+                registry: Arc::default(),
+                task: Mutex::new(None),
+            }),
+        }
+    }
+
+    /// Whether its `LISTEN` connection is up.
+    pub fn is_listening(&self) -> bool {
+        self.inner.registry.listening.load(Ordering::SeqCst)
+    }
+
+    /// How many channels some relay listens on now.
+    pub fn channels(&self) -> usize {
+        lock(&self.inner.registry.channels).len()
+    }
+
+    /// Subscribes to `channel`: the receiver changes on each notification
+    /// on it and on each (re)connection. `None` outside a tokio runtime.
+    pub(crate) fn subscribe(&self, channel: &str) -> Option<Subscription> {
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        {
+            let mut task = lock(&self.inner.task);
+            if task.is_none() {
+                *task = Some(rt.spawn(listen_loop(
+                    self.inner.options.clone(),
+                    Arc::clone(&self.inner.registry),
+                )));
+            }
+        }
+        let changes = {
+            let mut channels = lock(&self.inner.registry.channels);
+            let entry = channels
+                .entry(channel.to_owned())
+                .or_insert_with(|| Channel {
+                    changes: watch::channel(0).0,
+                    listeners: 0,
+                    listened: false,
+                });
+            entry.listeners += 1;
+            entry.changes.subscribe()
+        };
+        self.inner.registry.changed.notify_one();
+        Some(Subscription {
+            shared: self.clone(),
+            channel: channel.to_owned(),
+            changes,
+        })
+    }
+}
+
+/// One relay's interest in one channel; dropping it gives it up.
+pub(crate) struct Subscription {
+    shared: PgSharedListener,
+    channel: String,
+    pub(crate) changes: watch::Receiver<u64>,
+}
+
+impl Subscription {
+    /// Whether its channel is listened to on a connection that is up.
+    pub(crate) fn is_listening(&self) -> bool {
+        let registry = &self.shared.inner.registry;
+        registry.listening.load(Ordering::SeqCst)
+            && lock(&registry.channels)
+                .get(&self.channel)
+                .is_some_and(|c| c.listened)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        let registry = &self.shared.inner.registry;
+        let mut channels = lock(&registry.channels);
+        if let Some(entry) = channels.get_mut(&self.channel) {
+            entry.listeners -= 1;
+            if entry.listeners == 0 {
+                channels.remove(&self.channel);
+                registry.changed.notify_one();
+            }
+        }
+    }
+}
+
+impl Registry {
+    /// `LISTEN` on `channel` took effect.
+    fn listened(&self, channel: &str) {
+        if let Some(c) = lock(&self.channels).get_mut(channel) {
+            c.listened = true;
+        }
+        self.bump(channel);
+    }
+
+    /// The connection is down: no channel is listened to.
+    fn lost(&self) {
+        self.listening.store(false, Ordering::SeqCst);
+        for c in lock(&self.channels).values_mut() {
+            c.listened = false;
+        }
+        self.bump_all();
+    }
+
+    fn bump(&self, channel: &str) {
+        if let Some(c) = lock(&self.channels).get(channel) {
+            c.changes.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+
+    fn bump_all(&self) {
+        for c in lock(&self.channels).values() {
+            c.changes.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+
+    fn wanted(&self) -> HashSet<String> {
+        lock(&self.channels).keys().cloned().collect()
+    }
+}
+
+/// Holds the `LISTEN` connection open on every channel some relay wants,
+/// reporting each notification to its channel's relays and each
+/// (re)connection to all; reconnects with growing pauses when it breaks.
+async fn listen_loop(options: PgConnectOptions, registry: Arc<Registry>) {
+    let mut pause = RECONNECT_FIRST;
+    let mut failures = 0u32;
+    loop {
+        match connect(&options).await {
+            Ok(mut listener) => {
+                if failures > 0 {
+                    tracing::info!("shared outbox listener connected again");
+                }
+                failures = 0;
+                pause = RECONNECT_FIRST;
+                registry.listening.store(true, Ordering::SeqCst);
+                let e = serve(&mut listener, &registry).await;
+                tracing::warn!(error = %e,
+                    "outbox listener lost its connection; its relays poll until it is back");
+            }
+            Err(e) => {
+                failures += 1;
+                if failures == 1 {
+                    tracing::warn!(error = %e, "shared outbox listener cannot connect; its relays poll until it can");
+                }
+            }
+        }
+        registry.lost();
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(RECONNECT_MAX);
+    }
+}
+
+/// Listens on one connection until it fails: keeps its channels those the
+/// registry wants, and reports what arrives.
+async fn serve(listener: &mut PgListener, registry: &Registry) -> sqlx::Error {
+    match serve_until_lost(listener, registry).await {
+        Err(e) => e,
+        Ok(never) => match never {},
+    }
+}
+
+async fn serve_until_lost(
+    listener: &mut PgListener,
+    registry: &Registry,
+) -> Result<std::convert::Infallible, sqlx::Error> {
+    let mut listened: HashSet<String> = HashSet::new();
+    loop {
+        // Catch up with the channels wanted: a channel newly listened to
+        // may have missed commits made before, so its relays claim once.
+        // (`try_recv` is cancel-safe: a notification half read stays
+        // buffered for the next call.)
+        let wanted = registry.wanted();
+        for channel in wanted.difference(&listened) {
+            listener.listen(channel).await?;
+            registry.listened(channel);
+        }
+        for channel in listened.difference(&wanted) {
+            listener.unlisten(channel).await?;
+        }
+        listened = wanted;
+        tokio::select! {
+            received = listener.try_recv() => match received? {
+                Some(n) => registry.bump(n.channel()),
+                // The connection was lost. It is made again here, not by
+                // sqlx, so that the channels listened to are this loop's.
+                None => return Err(sqlx::Error::PoolClosed),
+            },
+            _ = registry.changed.notified() => {}
+        }
+    }
+}
+
+/// A listener on its own connection (a pool of one).
+async fn connect(options: &PgConnectOptions) -> Result<PgListener, sqlx::Error> {
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(10))
+        .idle_timeout(None)
+        .max_lifetime(None)
+        .connect_lazy_with(options.clone());
+    let mut listener = PgListener::connect_with(&pool).await?;
+    listener.ignore_pool_close_event(true);
+    listener.eager_reconnect(false);
+    Ok(listener)
+}

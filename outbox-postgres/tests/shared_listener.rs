@@ -1,0 +1,156 @@
+//! One `LISTEN` connection for the outboxes of many schemas of a database
+//! (`PgSharedListener`, rule "Fleets" in `docs/rules.md`): each outbox
+//! hears its own table's channel only; the connection comes back after it
+//! is ended, telling every outbox to catch up.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use outbox_api::testing::wait_until;
+use outbox_api::{ErrorKind, MessageKind, NewMessage, Store, WorkListener};
+use outbox_postgres::sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions};
+use outbox_postgres::testing::{PgUnderTest, database_url, listens};
+use outbox_postgres::{PgSharedListener, PgStore, WakeUp};
+
+const DEADLINE: Duration = Duration::from_secs(20);
+
+/// A pool whose connections (and so the shared listener's) carry `name`.
+async fn named_pool(name: &str) -> PgPool {
+    let options = PgConnectOptions::from_str(&database_url())
+        .unwrap()
+        .application_name(name);
+    PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .expect("connect to PostgreSQL")
+}
+
+/// Another process's commit to `f`'s table: a store of its own, so no
+/// in-process wake-up reaches the listeners, only `NOTIFY`. The store is
+/// returned: it announces the commit after it, from a task of its own.
+async fn commit_elsewhere(f: &PgUnderTest) -> PgStore {
+    let other = PgStore::builder(f.url())
+        .schema(f.schema())
+        .table("test_outbox")
+        .inbox_table("test_inbox")
+        .max_connections(1)
+        .connect()
+        .await
+        .expect("a second store on the same table");
+    let mut tx = f.pool().begin().await.unwrap();
+    other
+        .outbox()
+        .enqueue(
+            &mut tx,
+            NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    other
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outboxes_of_many_schemas_share_one_listen_connection_and_a_commit_wakes_only_its_own() {
+    let name = format!("shared-listener-{}", std::process::id());
+    let pool = named_pool(&name).await;
+    let shared = PgSharedListener::new(&pool);
+    let mut fixtures = Vec::new();
+    for _ in 0..3 {
+        fixtures.push(
+            PgUnderTest::fresh_with(None, |b| {
+                b.listen_through(&shared)
+                    .poll_interval(Duration::from_secs(3600))
+            })
+            .await,
+        );
+    }
+    let mut listeners: Vec<Box<dyn WorkListener>> =
+        fixtures.iter().map(|f| f.pg().listen()).collect();
+    // Each channel newly listened to reports a change (a catch-up claim).
+    for l in &mut listeners {
+        assert!(l.wait(DEADLINE).await, "a first catch-up report");
+    }
+    assert_eq!(shared.channels(), 3);
+    // One LISTEN connection for the three.
+    listens(&pool, &name).await;
+    assert!(shared.is_listening());
+    for l in &mut listeners {
+        while l.wait(Duration::from_millis(50)).await {}
+    }
+
+    let _announcing = commit_elsewhere(&fixtures[1]).await;
+    assert!(
+        listeners[1].wait(DEADLINE).await,
+        "a commit to its table wakes its listener (its poll is an hour)"
+    );
+    // The notification for table 1 has been handed out by the task that
+    // hands out every notification of the connection, in order: none came
+    // for the others.
+    for i in [0, 2] {
+        assert!(
+            !listeners[i].wait(Duration::ZERO).await,
+            "a commit to another schema's table woke listener {i}"
+        );
+    }
+
+    // A listener dropped gives its channel up.
+    drop(listeners.pop());
+    wait_until(
+        "the dropped listener's channel is given up",
+        DEADLINE,
+        || {
+            let n = shared.channels();
+            async move { n == 2 }
+        },
+    )
+    .await;
+
+    // The connection is ended: every listener is told at once, and again
+    // when it is back (to catch up on what was sent meanwhile).
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = $1 AND (query LIKE 'LISTEN%' OR query LIKE 'UNLISTEN%')",
+    )
+    .bind(&name)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(ended, 1);
+    for l in &mut listeners {
+        assert!(l.wait(DEADLINE).await, "told of the lost connection");
+    }
+    listens(&pool, &name).await;
+    wait_until("the shared connection listens again", DEADLINE, || {
+        let up = shared.is_listening();
+        async move { up }
+    })
+    .await;
+    for l in &mut listeners {
+        while l.wait(Duration::from_millis(50)).await {}
+    }
+    let _announcing = commit_elsewhere(&fixtures[0]).await;
+    assert!(
+        listeners[0].wait(DEADLINE).await,
+        "woken after the reconnect"
+    );
+    assert!(!listeners[1].wait(Duration::ZERO).await);
+}
+
+#[tokio::test]
+async fn a_store_that_only_polls_refuses_a_shared_listener() {
+    let pool = PgPoolOptions::new()
+        .connect_lazy("postgres://app:secretpw@127.0.0.1:1/shop")
+        .unwrap();
+    let shared = PgSharedListener::new(&pool);
+    let e = PgStore::builder_with_pool(pool)
+        .wake_up(WakeUp::PollOnly)
+        .listen_through(&shared)
+        .connect()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("listen_through"), "{e}");
+    assert!(!format!("{shared:?}").contains("secretpw"));
+}
