@@ -17,6 +17,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use futures_util::future::join_all;
 use outbox_api::{Error, ErrorKind, HealthReport, HealthStatus, Result};
@@ -41,6 +42,7 @@ pub struct Fleet {
 struct Inner {
     budget: Arc<Budget>,
     worker_id: String,
+    sweep: Duration,
     members: Mutex<BTreeMap<String, Arc<RelayHandle>>>,
 }
 
@@ -54,11 +56,15 @@ impl std::fmt::Debug for Fleet {
     }
 }
 
+/// The default [`FleetBuilder::sweep_interval`].
+pub const DEFAULT_SWEEP: Duration = Duration::from_secs(30);
+
 /// Builds a [`Fleet`].
 #[derive(Debug, Clone)]
 pub struct FleetBuilder {
     concurrency: usize,
     worker_id: String,
+    sweep: Duration,
 }
 
 impl Default for FleetBuilder {
@@ -66,6 +72,7 @@ impl Default for FleetBuilder {
         FleetBuilder {
             concurrency: 64,
             worker_id: format!("fleet-{}-{:08x}", std::process::id(), fastrand::u32(..)),
+            sweep: DEFAULT_SWEEP,
         }
     }
 }
@@ -89,6 +96,19 @@ impl FleetBuilder {
         self
     }
 
+    /// How often each outbox is claimed from when nothing wakes it (30 s;
+    /// each outbox's time is drawn between ¾ and 1¼ of it, so that the
+    /// outboxes' sweeps spread out). An outbox's relay is woken by its
+    /// commits (in-process at once, from other processes through
+    /// `LISTEN`), and claims again when a message it put off comes due; the
+    /// sweep is a safety net (an expired lease of a crashed relay, a
+    /// notification lost), so it can be slow: it is an idle fleet's whole
+    /// cost.
+    pub fn sweep_interval(mut self, every: Duration) -> Self {
+        self.sweep = every;
+        self
+    }
+
     /// Checks the configuration and builds the fleet, with no outbox yet.
     pub fn build(self) -> Result<Fleet> {
         if self.concurrency == 0 {
@@ -97,10 +117,14 @@ impl FleetBuilder {
         if self.worker_id.trim().is_empty() {
             return Err(Error::config("worker_id", "must not be empty"));
         }
+        if self.sweep.is_zero() {
+            return Err(Error::config("sweep_interval", "must be greater than zero"));
+        }
         Ok(Fleet {
             inner: Arc::new(Inner {
                 budget: Arc::new(Budget::new(self.concurrency)),
                 worker_id: self.worker_id,
+                sweep: self.sweep,
                 members: Mutex::new(BTreeMap::new()),
             }),
         })
@@ -144,11 +168,15 @@ impl Fleet {
 
     /// Adds the outbox `name` and starts relaying it with `relay` (a
     /// [`Relay::builder`](crate::Relay::builder) over its store, with its
-    /// dispatcher, transport and settings). The fleet sets three things:
-    /// the relay's [`name`](crate::RelayConfig::name) is `name` (its metrics
-    /// label and its entry in [`health`](Self::health)), its worker id is
-    /// the fleet's followed by `/name`, and its delivery slots come from the
-    /// fleet's budget.
+    /// dispatcher, transport and settings). The fleet sets: the relay's
+    /// [`name`](crate::RelayConfig::name) to `name` (its metrics label and
+    /// its entry in [`health`](Self::health)); its worker id to the fleet's
+    /// followed by `/name`; its delivery slots to come from the fleet's
+    /// budget; its `poll_interval` to the fleet's
+    /// [sweep](FleetBuilder::sweep_interval) (so a `NextRound` retry waits
+    /// for the sweep: give a fleet's outboxes a retry policy with delays);
+    /// and its `metrics_interval` and `purge_interval` to at least the
+    /// sweep.
     ///
     /// Fails, adding nothing, on a name that is empty, has whitespace or
     /// control characters, or is in the fleet already, and on a relay
@@ -167,7 +195,14 @@ impl Fleet {
                 format!("outbox `{name}` is in this fleet already"),
             ));
         }
+        let sweep = self.inner.sweep.mul_f64(0.75 + fastrand::f64() / 2.0);
+        let config = relay.current_config();
+        let metrics = config.metrics_interval.map(|i| i.max(self.inner.sweep));
+        let purge = config.purge_interval.max(self.inner.sweep);
         let handle = relay
+            .poll_interval(sweep)
+            .metrics_interval(metrics)
+            .purge_interval(purge)
             .worker_id(format!("{}/{name}", self.inner.worker_id))
             .name(name.clone())
             .fleet(self)

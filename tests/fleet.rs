@@ -194,7 +194,12 @@ async fn outboxes_join_and_leave_while_the_fleet_runs() {
             handle.relay().config().worker_id,
             format!("fleet-test-membership/tenant-{i}")
         );
-        assert_eq!(handle.relay().config().name, format!("tenant-{i}"));
+        let config = handle.relay().config();
+        assert_eq!(config.name, format!("tenant-{i}"));
+        // Its poll is the fleet's sweep, spread between ¾ and 1¼ of it.
+        let poll = config.poll_interval.as_secs_f64();
+        assert!((22.5..=37.5).contains(&poll), "{poll}");
+        assert!(config.purge_interval >= outbox::DEFAULT_SWEEP);
     }
     assert_eq!(fleet.outboxes(), ["tenant-0", "tenant-1", "tenant-2"]);
     fleet.until_idle().await.unwrap();
@@ -249,4 +254,9 @@ fn a_fleet_refuses_a_bad_configuration() {
     assert!(e.to_string().contains("concurrency"), "{e}");
     let e = Fleet::builder().worker_id(" ").build().unwrap_err();
     assert!(e.to_string().contains("worker_id"), "{e}");
+    let e = Fleet::builder()
+        .sweep_interval(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("sweep_interval"), "{e}");
 }

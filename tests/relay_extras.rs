@@ -431,3 +431,58 @@ fn a_relay_dropped_with_its_runtime_frees_its_worker_id() {
         again.shutdown().await;
     });
 }
+
+/// A relay that put a message off (a counted failure's retry, a deferral)
+/// claims again when it comes due, not at its next poll: with a poll of an
+/// hour, both come back within the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_put_off_is_claimed_when_it_comes_due_not_at_the_next_poll() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let store = MemoryStore::new();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (fail, defer) = (calls.clone(), calls.clone());
+    let handlers = Handlers::new()
+        .on_message("FailsOnce", move |_: &outbox::Message| {
+            let first = fail.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if first {
+                    return Err(std::io::Error::other("not yet"));
+                }
+                Ok(())
+            }
+        })
+        .on_message("DefersOnce", move |_: &outbox::Message| {
+            // The third call, the first of this type.
+            let first = defer.fetch_add(1, Ordering::SeqCst) == 2;
+            async move {
+                if first {
+                    return Err(outbox::TemporarilyUnavailable::new("back in a moment")
+                        .retry_after(Duration::from_millis(50)));
+                }
+                Ok(())
+            }
+        });
+    let handle = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .worker_id("put-off-and-due".into())
+        .poll_interval(Duration::from_secs(3600))
+        .retry_policy(RetryPolicy::Fixed(Duration::from_millis(50)))
+        .spawn()
+        .unwrap();
+    for (n, t) in [(1, "FailsOnce"), (2, "DefersOnce")] {
+        let mut tx = store.begin();
+        tx.enqueue(NewMessage::new(MessageKind::Domain, t, b"x".to_vec()))
+            .unwrap();
+        tx.commit().unwrap();
+        outbox_api::testing::wait_until(
+            "the message put off is delivered when it comes due",
+            Duration::from_secs(20),
+            || async { handle.totals().delivered == n },
+        )
+        .await;
+    }
+    assert_eq!(handle.totals().delivered, 2);
+    assert_eq!(calls.load(Ordering::SeqCst), 4, "each tried twice");
+    handle.shutdown().await;
+}

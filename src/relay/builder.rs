@@ -98,6 +98,11 @@ impl RelayBuilder {
         self
     }
 
+    /// The configuration set so far.
+    pub fn current_config(&self) -> &RelayConfig {
+        &self.config
+    }
+
     /// Replaces the whole configuration.
     pub fn config(mut self, config: RelayConfig) -> Self {
         self.config = config;
@@ -177,6 +182,7 @@ impl RelayBuilder {
                 counters: Counters::default(),
                 meter,
                 budget: self.budget,
+                due: Mutex::new(None),
             }),
         })
     }

@@ -130,6 +130,10 @@ struct Inner {
     /// In a fleet: the slots shared with the other members, taken on top
     /// of this relay's own `concurrency`.
     budget: Option<Arc<Budget>>,
+    /// The earliest time a message this relay put off (a counted
+    /// failure's retry, a deferral) comes due: the relay claims again
+    /// then, not only at its next poll.
+    due: Mutex<Option<Timestamp>>,
 }
 
 /// The relay engine. Usually [`spawn`](Relay::spawn)ed; tests may also call
@@ -206,6 +210,27 @@ impl Relay {
         self.inner.clock.now()
     }
 
+    /// A message this relay put off comes due at `at`.
+    fn put_off_until(&self, at: Timestamp) {
+        let mut due = lock(&self.inner.due);
+        *due = Some(due.map_or(at, |d| d.min(at)));
+    }
+
+    /// How long to sleep after a drain that began at `began`: the poll
+    /// interval, or less when a message put off comes due sooner. A message
+    /// due before the drain began was claimable by it, and is forgotten.
+    fn until_next_claim(&self, began: Timestamp, poll: std::time::Duration) -> std::time::Duration {
+        let mut due = lock(&self.inner.due);
+        match *due {
+            Some(at) if at <= began => {
+                *due = None;
+                poll
+            }
+            Some(at) => poll.min(at.since(self.now())),
+            None => poll,
+        }
+    }
+
     fn stopping(&self) -> bool {
         self.inner.lifecycle.stop_requested()
     }
@@ -261,10 +286,11 @@ impl Relay {
             .metrics_interval
             .map(|every| tokio::spawn(self.clone().gauge_loop(every)));
         while !*shutdown.borrow() {
+            let began = self.now();
             let wait = match self.drain_with(Some(&mut listener)).await {
                 Ok(_) => {
                     *lock(&self.inner.last_store_error) = None;
-                    cfg.poll_interval
+                    self.until_next_claim(began, cfg.poll_interval)
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "relay could not use the store; retrying");

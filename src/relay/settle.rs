@@ -117,7 +117,10 @@ impl Relay {
         for (id, error, until) in &s.deferred {
             let release = self.release_of(vec![*id], Some(error.clone()), *until);
             match store.release(&release).await {
-                Ok(()) => report.deferred += 1,
+                Ok(()) => {
+                    report.deferred += 1;
+                    self.put_off_until(*until);
+                }
                 Err(e) => note(
                     &mut first_error,
                     e,
@@ -198,6 +201,7 @@ impl Relay {
         match outcome {
             FailOutcome::Retrying { attempts } => {
                 report.failed += 1;
+                self.put_off_until(retry_at);
                 tracing::warn!(message.id = %m.id, message.type = %m.message_type, attempts, %error, "delivery failed; will retry");
             }
             FailOutcome::Poisoned { attempts } => {
