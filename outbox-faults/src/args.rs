@@ -34,6 +34,11 @@ pub struct ChildArgs {
     /// an argument (it may hold a password): the child reads it from
     /// [`PG_URL_VARIABLE`], which [`RelayChild::spawn_postgres`](crate::RelayChild::spawn_postgres) sets.
     pub pg_schema: Option<String>,
+    /// On PostgreSQL, with more than 0: a fleet over the schemas
+    /// `<pg_schema>_0` … `<pg_schema>_<n-1>` (each with the outbox and the
+    /// receiver's tables), one pool and one `LISTEN` connection, instead of
+    /// one relay over `pg_schema`.
+    pub pg_tenants: usize,
 }
 
 /// The variable a `relay-child` on PostgreSQL reads its database URL from.
@@ -59,6 +64,7 @@ impl ChildArgs {
             concurrency: 16,
             consumer: "faults".to_owned(),
             pg_schema: None,
+            pg_tenants: 0,
         }
     }
 
@@ -98,6 +104,9 @@ impl ChildArgs {
         if let Some(schema) = &self.pg_schema {
             args.extend(["--pg-schema".into(), schema.clone()]);
         }
+        if self.pg_tenants > 0 {
+            args.extend(["--pg-tenants".into(), self.pg_tenants.to_string()]);
+        }
         args
     }
 
@@ -127,6 +136,7 @@ impl ChildArgs {
                 "--concurrency" => a.concurrency = num(&value)? as usize,
                 "--consumer" => a.consumer = value,
                 "--pg-schema" => a.pg_schema = Some(value),
+                "--pg-tenants" => a.pg_tenants = num(&value)? as usize,
                 other => return Err(format!("unknown option `{other}`")),
             }
         }
@@ -135,6 +145,9 @@ impl ChildArgs {
         }
         if a.pg_schema.is_none() && a.receiver_db.as_os_str().is_empty() {
             return Err("`--receiver-db PATH` (or `--pg-schema NAME`) is required".into());
+        }
+        if a.pg_tenants > 0 && a.pg_schema.is_none() {
+            return Err("`--pg-tenants N` needs `--pg-schema PREFIX`".into());
         }
         if a.worker.is_empty() {
             return Err("`--worker ID` is required".into());
@@ -159,5 +172,24 @@ mod tests {
         let q = ChildArgs::parse(p.to_args()).unwrap();
         assert_eq!(q.pg_schema.as_deref(), Some("faults_1"));
         assert_eq!(format!("{p:?}"), format!("{q:?}"));
+        let mut f = ChildArgs::postgres("faults_fleet", "w3");
+        f.pg_tenants = 100;
+        let g = ChildArgs::parse(f.to_args()).unwrap();
+        assert_eq!(format!("{f:?}"), format!("{g:?}"));
+        let e = ChildArgs::parse(
+            [
+                "--worker",
+                "w",
+                "--outbox-db",
+                "a",
+                "--receiver-db",
+                "b",
+                "--pg-tenants",
+                "3",
+            ]
+            .map(String::from),
+        )
+        .unwrap_err();
+        assert!(e.contains("--pg-schema"), "{e}");
     }
 }

@@ -5,7 +5,7 @@
 //! and 4 relays against a bare SQL loop running the store's own statements,
 //! scheduled → handled at 1k msg/s (the timing of `sqlite_latency`, the
 //! transactions started by an application of 8 writers), failover after a relay is killed holding work, and
-//! drain while a REPEATABLE READ transaction pins the xmin. Each figure works in a fresh schema of the test database
+//! drain while a REPEATABLE READ transaction pins the xmin, and a fleet over 1,000 tenant schemas (`tenants`). Each figure works in a fresh schema of the test database
 //! (`OUTBOX_PG_URL`, else the local default), dropped afterwards.
 
 use std::sync::Arc;
@@ -41,6 +41,7 @@ mod drain;
 mod enqueue;
 mod failover;
 mod latency;
+mod tenants;
 
 /// Enqueues `n` bench messages in transactions of 1,000 (`enqueue_many`).
 async fn fill(f: &PgUnderTest, n: usize) {
@@ -102,6 +103,7 @@ pub const PARTS: &[&str] = &[
     "postgres-latency",
     "postgres-failover",
     "postgres-xmin",
+    "postgres-tenants",
 ];
 
 /// The figures of the parts `wanted` names.
@@ -134,6 +136,9 @@ pub async fn figures(quick: bool, wanted: impl Fn(&str) -> bool) -> Vec<Figure> 
     }
     if wanted("postgres-xmin") {
         out.extend(drain::pinned_xmin(quick).await);
+    }
+    if wanted("postgres-tenants") {
+        out.extend(tenants::tenants(quick, &url).await);
     }
     out
 }

@@ -13,20 +13,25 @@
 //!     [--batch 50] [--lease-ms 1000] [--handler-timeout-ms 800] [--poll-ms 50] \
 //!     [--handler-delay-ms 0] [--concurrency 16] [--consumer faults]
 //! OUTBOX_FAULTS_PG_URL=postgres://… relay-child --pg-schema faults_1 --worker w1 [options]
+//! OUTBOX_FAULTS_PG_URL=postgres://… relay-child --pg-schema fleet --pg-tenants 100 --worker w1 [options]
 //! ```
+//!
+//! With `--pg-tenants N` it runs an `outbox::Fleet` over the schemas
+//! `<schema>_0` … `<schema>_<N-1>` (migrated and prepared by the test), on
+//! one pool and one shared `LISTEN` connection, each with its receiver;
+//! `--poll-ms` is then the fleet's sweep and `--concurrency` its slots.
 
-use std::io::Read;
 use std::process::ExitCode;
 use std::sync::Arc;
 
 use std::time::Duration;
 
 use outbox::sqlite::SqliteStore;
-use outbox::{Relay, RelayConfig};
+use outbox::{Fleet, Relay, RelayConfig};
 use outbox_api::{Dispatcher, Store};
 use outbox_faults::postgres::{PgReceiver, lazy_pool, with_application_name};
 use outbox_faults::{ChildArgs, CountingStore, PG_URL_VARIABLE, Receiver};
-use outbox_postgres::PgStore;
+use outbox_postgres::{PgSharedListener, PgStore};
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -67,8 +72,76 @@ fn main() -> ExitCode {
 async fn run(args: ChildArgs) -> Result<(), String> {
     match args.pg_schema.clone() {
         None => run_sqlite(args).await,
+        Some(prefix) if args.pg_tenants > 0 => run_fleet(args, &prefix).await,
         Some(schema) => run_postgres(args, &schema).await,
     }
+}
+
+/// A fleet over `<prefix>_0` … `<prefix>_<N-1>` until stdin closes.
+async fn run_fleet(args: ChildArgs, prefix: &str) -> Result<(), String> {
+    let url = std::env::var(PG_URL_VARIABLE)
+        .map_err(|_| format!("--pg-schema needs the database URL in {PG_URL_VARIABLE}"))?;
+    let name = format!("faults-{prefix}-{}", args.worker);
+    let pool = lazy_pool(
+        &with_application_name(&url, &name),
+        args.concurrency as u32 + 4,
+        args.handler_timeout / 2,
+    )?;
+    let shared = PgSharedListener::new(&pool);
+    let fleet = Fleet::builder()
+        .worker_id(args.worker.clone())
+        .concurrency(args.concurrency)
+        .sweep_interval(args.poll_interval)
+        .build()
+        .map_err(|e| format!("building the fleet: {e}"))?;
+    let mut receivers = Vec::new();
+    for i in 0..args.pg_tenants {
+        let schema = format!("{prefix}_{i}");
+        let store = PgStore::builder_with_pool(pool.clone())
+            .schema(&schema)
+            .listen_through(&shared)
+            .connect()
+            .await
+            .map_err(|e| format!("opening the outbox in {schema}: {e}"))?;
+        let receiver = PgReceiver::open(
+            pool.clone(),
+            &schema,
+            &args.consumer,
+            &args.worker,
+            args.handler_delay,
+        )
+        .await?;
+        receivers.push(receiver.clone());
+        fleet
+            .add(
+                schema,
+                Relay::builder(store)
+                    .dispatcher(receiver)
+                    .config(config(&args)),
+            )
+            .map_err(|e| format!("adding an outbox to the fleet: {e}"))?;
+    }
+    outbox_api::testing::until_stdin_closes().await;
+    fleet.shutdown().await;
+    let handled: u64 = receivers.iter().map(|r| r.figures().0).sum();
+    eprintln!(
+        "relay-child {}: stopped; fleet of {} outboxes, handled={handled}",
+        args.worker, args.pg_tenants
+    );
+    Ok(())
+}
+
+/// The relay's configuration from the command line.
+fn config(args: &ChildArgs) -> RelayConfig {
+    let mut config = RelayConfig::default();
+    config.worker_id = args.worker.clone();
+    config.batch_size = args.batch_size;
+    config.lease = args.lease;
+    config.handler_timeout = args.handler_timeout;
+    config.poll_interval = args.poll_interval;
+    config.concurrency = args.concurrency;
+    config.store_error_backoff = args.poll_interval;
+    config
 }
 
 async fn run_sqlite(args: ChildArgs) -> Result<(), String> {
@@ -148,28 +221,13 @@ async fn relay<S: Store + Clone + 'static>(
     receiver: impl Fn() -> (u64, u64, usize),
 ) -> Result<(), String> {
     let store = CountingStore::new(store, &args.worker);
-    let mut config = RelayConfig::default();
-    config.worker_id = args.worker.clone();
-    config.batch_size = args.batch_size;
-    config.lease = args.lease;
-    config.handler_timeout = args.handler_timeout;
-    config.poll_interval = args.poll_interval;
-    config.concurrency = args.concurrency;
-    config.store_error_backoff = args.poll_interval;
     let handle = Relay::builder_shared(Arc::new(store.clone()))
         .dispatcher(dispatcher)
-        .config(config)
+        .config(config(args))
         .spawn()
         .map_err(|e| format!("starting the relay: {e}"))?;
 
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 256];
-        let mut stdin = std::io::stdin();
-        while matches!(stdin.read(&mut buf), Ok(n) if n > 0) {}
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
+    outbox_api::testing::until_stdin_closes().await;
     handle.shutdown().await;
     let t = handle.totals();
     let (handled, duplicates, handler_errors) = receiver();

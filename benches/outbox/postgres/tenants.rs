@@ -1,0 +1,374 @@
+//! Part `postgres-tenants` (`cargo bench --bench outbox -- tenants`): a
+//! fleet over 1,000 tenant schemas of the local database (20 in quick
+//! mode), one pool and one shared `LISTEN` connection, each figure beside
+//! its baseline from the same run:
+//!
+//! * one tenant drains a backlog of 100,000 while the other 999 each commit
+//!   1 msg/s, open loop: the quiet tenants' commit → handled latency, and
+//!   the hot tenant's drain rate against a relay draining the same backlog
+//!   alone;
+//! * the connections the fleet holds, against what single relays hold;
+//! * idle cost (transactions a second and CPU) against 1,000 single relays
+//!   at their default poll on the same pool and listener;
+//! * memory per tenant added.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox::{Fleet, Handlers, Message, MessageKind, NewMessage, Relay, RelayHandle};
+use outbox_postgres::sqlx::{self, AssertSqlSafe, PgPool, postgres::PgConnectOptions};
+use outbox_postgres::{PgSharedListener, PgStore};
+
+use crate::common::{Figure, counting_handlers, histogram, latency_rows};
+use crate::sqlite::bench_message;
+
+const APP: &str = "outbox-tenants-bench";
+const POOL: u32 = 8;
+
+fn schema(i: usize) -> String {
+    format!("tenants_bench_{i}")
+}
+
+/// The bench's pool (its connections named `APP`, to be counted).
+async fn pool(url: &str) -> PgPool {
+    let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    outbox_postgres::sqlx::postgres::PgPoolOptions::new()
+        .max_connections(POOL)
+        .connect_with(options.application_name(APP))
+        .await
+        .expect("connect to PostgreSQL")
+}
+
+async fn store(pool: &PgPool, shared: &PgSharedListener, i: usize) -> PgStore {
+    PgStore::builder_with_pool(pool.clone())
+        .schema(schema(i))
+        .listen_through(shared)
+        .connect()
+        .await
+        .unwrap()
+}
+
+/// Fresh tenant schemas 0..n, migrated, four at a time.
+async fn create_tenants(pool: &PgPool, shared: &PgSharedListener, n: usize) -> Vec<PgStore> {
+    drop_tenants(pool, n).await;
+    let mut stores = Vec::with_capacity(n);
+    for chunk in (0..n).collect::<Vec<_>>().chunks(4) {
+        let made = futures_util::future::join_all(chunk.iter().map(|&i| async move {
+            let s = store(pool, shared, i).await;
+            s.migrate().await.unwrap();
+            s
+        }))
+        .await;
+        stores.extend(made);
+    }
+    stores
+}
+
+async fn drop_tenants(pool: &PgPool, n: usize) {
+    for i in 0..n {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#,
+            schema(i)
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+}
+
+async fn fill(pool: &PgPool, store: &PgStore, n: usize) {
+    for start in (0..n).step_by(1000) {
+        let mut tx = pool.begin().await.unwrap();
+        store
+            .outbox()
+            .enqueue_many(
+                &mut tx,
+                (start..(start + 1000).min(n)).map(bench_message).collect(),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
+/// Microseconds since `t0`.
+fn micros(t0: Instant) -> u64 {
+    t0.elapsed().as_micros() as u64
+}
+
+/// Transactions committed in the database so far.
+async fn commits(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// CPU seconds this process has used.
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the command's closing parenthesis: utime is the 12th,
+    // stime the 13th (1-based, counting from the state field).
+    let after = stat.rsplit_once(')').map(|(_, a)| a).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn rss_kb() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Database transactions a second and this process's CPU share over
+/// `window`.
+async fn idle_cost(pool: &PgPool, window: Duration) -> (f64, f64) {
+    // Past the relays' start (each takes back its leases, purges and reads
+    // its gauges once when it starts).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (c0, cpu0, t0) = (commits(pool).await, cpu_seconds(), Instant::now());
+    tokio::time::sleep(window).await;
+    let (c1, cpu1) = (commits(pool).await, cpu_seconds());
+    let secs = t0.elapsed().as_secs_f64();
+    // The two readings are transactions of their own.
+    ((c1 - c0 - 1) as f64 / secs, (cpu1 - cpu0) / secs * 100.0)
+}
+
+async fn connections(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(APP)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A fleet over every store, each relayed with `handlers(i)`.
+fn fleet_of(name: &str, stores: &[PgStore], handlers: impl Fn(usize) -> Handlers) -> Fleet {
+    let fleet = Fleet::builder()
+        .worker_id(format!("tenants-{name}-{}", std::process::id()))
+        .build()
+        .unwrap();
+    for (i, s) in stores.iter().enumerate() {
+        let batch = if i == 0 { 500 } else { 20 };
+        fleet
+            .add(
+                schema(i),
+                Relay::builder(s.clone())
+                    .dispatcher(handlers(i))
+                    .batch_size(batch),
+            )
+            .unwrap();
+    }
+    fleet
+}
+
+pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
+    let n = if quick { 20 } else { 1_000 };
+    let backlog = if quick { 2_000 } else { 100_000 };
+    let window = Duration::from_secs(if quick { 2 } else { 20 });
+    let pool = pool(url).await;
+    let shared = PgSharedListener::new(&pool);
+    let mut out = Vec::new();
+
+    // Memory and idle cost: every tenant registered, none writing.
+    let rss_before = rss_kb();
+    let stores = create_tenants(&pool, &shared, n).await;
+    let fleet = fleet_of("idle", &stores, |_| Handlers::new());
+    fleet.until_idle().await.unwrap();
+    let rss_fleet = rss_kb();
+    let (fleet_tps, fleet_cpu) = idle_cost(&pool, window).await;
+    fleet.shutdown().await;
+    let mut singles: Vec<RelayHandle> = Vec::new();
+    for (i, s) in stores.iter().enumerate() {
+        singles.push(
+            Relay::builder(s.clone())
+                .dispatcher(Handlers::new())
+                .worker_id(format!("tenants-single-{}-{i}", std::process::id()))
+                .spawn()
+                .unwrap(),
+        );
+    }
+    for s in &singles {
+        s.until_idle().await.unwrap();
+    }
+    let (single_tps, single_cpu) = idle_cost(&pool, window).await;
+    for s in &singles {
+        s.shutdown().await;
+    }
+    drop(singles);
+    out.push(Figure::new(
+        format!("tenants: memory per tenant in the fleet (store + relay; RSS growth over {n})"),
+        rss_fleet.saturating_sub(rss_before) as f64 / n as f64,
+        "KB",
+        "≤ 50 KB",
+    ));
+    out.push(
+        Figure::new(
+            format!("tenants: idle fleet of {n}, database transactions (/s)"),
+            fleet_tps,
+            "tx/s",
+            "one slow sweep",
+        )
+        .beside(format!("{n} single relays, default 2 s poll"), single_tps),
+    );
+    out.push(
+        Figure::new(
+            format!("tenants: idle fleet of {n}, CPU of the relay process (%)"),
+            fleet_cpu,
+            "%",
+            "—",
+        )
+        .beside(format!("{n} single relays"), single_cpu),
+    );
+
+    // The baseline drain: a relay alone on the hot tenant's backlog.
+    fill(&pool, &stores[0], backlog).await;
+    let count = Arc::new(AtomicU64::new(0));
+    let alone = Relay::builder(stores[0].clone())
+        .dispatcher(counting_handlers(count.clone()))
+        .batch_size(500)
+        .worker_id(format!("tenants-alone-{}", std::process::id()))
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    alone.until_idle().await.unwrap();
+    let alone_rate = backlog as f64 / t.elapsed().as_secs_f64();
+    alone.shutdown().await;
+    assert_eq!(count.load(Ordering::Relaxed), backlog as u64);
+
+    // The fleet: the hot tenant with its backlog again, the others writing.
+    fill(&pool, &stores[0], backlog).await;
+    let hot_done = Arc::new(AtomicU64::new(0));
+    // Commit and handling times of the quiet messages, by sequence number.
+    let sent = if quick { 4_000 } else { 200_000 };
+    let committed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
+    let handled: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
+    let t0 = Instant::now();
+    let fleet = fleet_of("busy", &stores, |i| {
+        if i == 0 {
+            counting_handlers(hot_done.clone())
+        } else {
+            let handled = handled.clone();
+            Handlers::new().on_message("Quiet", move |m: &Message| {
+                let seq = u64::from_le_bytes(m.payload[..8].try_into().unwrap()) as usize;
+                handled[seq].store(micros(t0), Ordering::Relaxed);
+                async { Ok::<_, std::io::Error>(()) }
+            })
+        }
+    });
+    let hot_start = Instant::now();
+    // Open loop: the quiet tenants in turn, each once a second.
+    let quiet = n - 1;
+    let every = Duration::from_secs_f64(1.0 / quiet as f64);
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut producers = Vec::new();
+    let writers = 8;
+    for w in 0..writers {
+        let (pool, stores, committed, next) = (
+            pool.clone(),
+            stores.clone(),
+            committed.clone(),
+            next.clone(),
+        );
+        producers.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval_at(
+                tokio::time::Instant::now() + every * w as u32,
+                every * writers as u32,
+            );
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let stop = Instant::now() + window;
+            while Instant::now() < stop {
+                tick.tick().await;
+                let seq = next.fetch_add(1, Ordering::Relaxed);
+                if seq >= committed.len() {
+                    break;
+                }
+                let tenant = 1 + seq % quiet;
+                let m = NewMessage::new(
+                    MessageKind::Domain,
+                    "Quiet",
+                    (seq as u64).to_le_bytes().to_vec(),
+                );
+                let mut tx = pool.begin().await.unwrap();
+                stores[tenant].outbox().enqueue(&mut tx, m).await.unwrap();
+                tx.commit().await.unwrap();
+                committed[seq].store(micros(t0), Ordering::Relaxed);
+            }
+        }));
+    }
+    let mut hot_rate = None;
+    let mut held = 0;
+    while producers.iter().any(|p| !p.is_finished()) || hot_rate.is_none() {
+        held = held.max(connections(&pool).await);
+        if hot_rate.is_none() && hot_done.load(Ordering::Relaxed) >= backlog as u64 {
+            hot_rate = Some(backlog as f64 / hot_start.elapsed().as_secs_f64());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let produced = next.load(Ordering::Relaxed).min(sent);
+    let rate = produced as f64 / window.as_secs_f64();
+    fleet.until_idle().await.unwrap();
+    let mut hist = histogram();
+    for seq in 0..produced {
+        let (c, h) = (
+            committed[seq].load(Ordering::Relaxed),
+            handled[seq].load(Ordering::Relaxed),
+        );
+        // A message can be handled before its writer reads the clock
+        // after commit: that counts as no wait.
+        hist.record(h.saturating_sub(c).max(1)).unwrap();
+    }
+    out.extend(latency_rows(
+        &format!(
+            "tenants: {quiet} quiet tenants at 1 msg/s each ({rate:.0} msg/s reached), one tenant draining {backlog}: commit → handled"
+        ),
+        &hist,
+        "—",
+        "≤ 50 ms",
+    ));
+    let hot_rate = hot_rate.unwrap_or(f64::NAN);
+    out.push(
+        Figure::new(
+            format!("tenants: the hot tenant's drain in the fleet, the others writing (msg/s)"),
+            hot_rate,
+            "msg/s",
+            "≥ 0.8 × alone",
+        )
+        .beside("a relay alone on the same backlog", alone_rate),
+    );
+    // Connections: the fleet's pool and its one LISTEN connection, against
+    // single relays, each with a pool (of at least one connection) and a
+    // LISTEN connection of its own.
+    let max: i64 =
+        sqlx::query_scalar("SELECT setting::int8 FROM pg_settings WHERE name = 'max_connections'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    out.push(
+        Figure::new(
+            format!("tenants: connections held by the fleet of {n} (pool of {POOL} + 1 LISTEN)"),
+            held as f64,
+            "conns",
+            "≤ 10",
+        )
+        .beside(
+            format!(
+                "{n} single relays, 2 each (pool of 1 + LISTEN): more than max_connections = {max}"
+            ),
+            2.0 * n as f64,
+        ),
+    );
+
+    fleet.shutdown().await;
+    drop(stores);
+    drop_tenants(&pool, n).await;
+    out
+}
