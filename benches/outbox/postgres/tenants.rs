@@ -30,12 +30,13 @@ fn schema(i: usize) -> String {
     format!("tenants_bench_{i}")
 }
 
-/// The bench's pool (its connections named `APP`, to be counted).
-async fn pool(url: &str) -> PgPool {
+/// A pool of `size` whose connections are named `name` (the fleet's,
+/// `APP`, are counted).
+async fn pool(url: &str, name: &str, size: u32) -> PgPool {
     let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
     outbox_postgres::sqlx::postgres::PgPoolOptions::new()
-        .max_connections(POOL)
-        .connect_with(options.application_name(APP))
+        .max_connections(size)
+        .connect_with(options.application_name(name))
         .await
         .expect("connect to PostgreSQL")
 }
@@ -174,17 +175,28 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let n = if quick { 20 } else { 1_000 };
     let backlog = if quick { 2_000 } else { 100_000 };
     let window = Duration::from_secs(if quick { 2 } else { 20 });
-    let pool = pool(url).await;
+    let pool = pool(url, APP, POOL).await;
+    // The application's writers have a pool of their own.
+    let writers = 16;
+    let app = self::pool(url, "outbox-tenants-bench-app", writers as u32).await;
     let shared = PgSharedListener::new(&pool);
     let mut out = Vec::new();
 
     // Memory and idle cost: every tenant registered, none writing.
     let rss_before = rss_kb();
     let stores = create_tenants(&pool, &shared, n).await;
+    // The database's own background work (autovacuum of the new tables),
+    // with no relay running, over a window longer than a sweep.
+    let idle_window = if quick {
+        window
+    } else {
+        outbox::DEFAULT_SWEEP * 3 / 2
+    };
+    let (none_tps, _) = idle_cost(&pool, idle_window).await;
     let fleet = fleet_of("idle", &stores, |_| Handlers::new());
     fleet.until_idle().await.unwrap();
     let rss_fleet = rss_kb();
-    let (fleet_tps, fleet_cpu) = idle_cost(&pool, window).await;
+    let (fleet_tps, fleet_cpu) = idle_cost(&pool, idle_window).await;
     fleet.shutdown().await;
     let mut singles: Vec<RelayHandle> = Vec::new();
     for (i, s) in stores.iter().enumerate() {
@@ -199,7 +211,7 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     for s in &singles {
         s.until_idle().await.unwrap();
     }
-    let (single_tps, single_cpu) = idle_cost(&pool, window).await;
+    let (single_tps, single_cpu) = idle_cost(&pool, idle_window).await;
     for s in &singles {
         s.shutdown().await;
     }
@@ -212,7 +224,9 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     ));
     out.push(
         Figure::new(
-            format!("tenants: idle fleet of {n}, database transactions (/s)"),
+            format!(
+                "tenants: idle fleet of {n}, database transactions (/s; with no relay at all: {none_tps:.0})"
+            ),
             fleet_tps,
             "tx/s",
             "one slow sweep",
@@ -270,14 +284,9 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let every = Duration::from_secs_f64(1.0 / quiet as f64);
     let next = Arc::new(AtomicUsize::new(0));
     let mut producers = Vec::new();
-    let writers = 8;
     for w in 0..writers {
-        let (pool, stores, committed, next) = (
-            pool.clone(),
-            stores.clone(),
-            committed.clone(),
-            next.clone(),
-        );
+        let (pool, stores, committed, next) =
+            (app.clone(), stores.clone(), committed.clone(), next.clone());
         producers.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(
                 tokio::time::Instant::now() + every * w as u32,
@@ -337,7 +346,7 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let hot_rate = hot_rate.unwrap_or(f64::NAN);
     out.push(
         Figure::new(
-            format!("tenants: the hot tenant's drain in the fleet, the others writing (msg/s)"),
+            "tenants: the hot tenant's drain in the fleet, the others writing (msg/s)",
             hot_rate,
             "msg/s",
             "≥ 0.8 × alone",
