@@ -284,7 +284,7 @@ async fn latency_loaded(
     (hist, achieved)
 }
 
-fn rss_kb(field: &str) -> u64 {
+pub fn rss_kb(field: &str) -> u64 {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     status
         .lines()

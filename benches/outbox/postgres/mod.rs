@@ -45,9 +45,22 @@ mod tenants;
 
 /// Enqueues `n` bench messages in transactions of 1,000 (`enqueue_many`).
 async fn fill(f: &PgUnderTest, n: usize) {
-    let outbox = f.pg().outbox();
+    enqueue_bench_messages(f.pool(), &f.pg().outbox(), n).await;
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        r#"VACUUM ANALYZE "{}"."{}""#,
+        f.schema(),
+        f.pg().table()
+    )))
+    .execute(f.pool())
+    .await
+    .unwrap();
+}
+
+/// Enqueues `n` bench messages through `outbox` on `pool`, in transactions
+/// of 1,000.
+async fn enqueue_bench_messages(pool: &PgPool, outbox: &PgOutbox, n: usize) {
     for start in (0..n).step_by(1000) {
-        let mut tx = f.pool().begin().await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
         outbox
             .enqueue_many(
                 &mut tx,
@@ -57,14 +70,6 @@ async fn fill(f: &PgUnderTest, n: usize) {
             .unwrap();
         tx.commit().await.unwrap();
     }
-    sqlx::raw_sql(AssertSqlSafe(format!(
-        r#"VACUUM ANALYZE "{}"."{}""#,
-        f.schema(),
-        f.pg().table()
-    )))
-    .execute(f.pool())
-    .await
-    .unwrap();
 }
 
 /// A store on the fixture's table, as a relay in a process of its own

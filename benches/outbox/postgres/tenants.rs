@@ -21,7 +21,6 @@ use outbox_postgres::sqlx::{self, AssertSqlSafe, PgPool, postgres::PgConnectOpti
 use outbox_postgres::{PgSharedListener, PgStore};
 
 use crate::common::{Figure, counting_handlers, histogram, latency_rows};
-use crate::sqlite::bench_message;
 
 const APP: &str = "outbox-tenants-bench";
 const POOL: u32 = 8;
@@ -79,18 +78,7 @@ async fn drop_tenants(pool: &PgPool, n: usize) {
 }
 
 async fn fill(pool: &PgPool, store: &PgStore, n: usize) {
-    for start in (0..n).step_by(1000) {
-        let mut tx = pool.begin().await.unwrap();
-        store
-            .outbox()
-            .enqueue_many(
-                &mut tx,
-                (start..(start + 1000).min(n)).map(bench_message).collect(),
-            )
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-    }
+    super::enqueue_bench_messages(pool, &store.outbox(), n).await;
 }
 
 /// Microseconds since `t0`.
@@ -120,13 +108,7 @@ fn cpu_seconds() -> f64 {
 }
 
 fn rss_kb() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    crate::sqlite::rss_kb("VmRSS:")
 }
 
 /// Database transactions a second and this process's CPU share over
