@@ -122,7 +122,10 @@ async fn idle_cost(pool: &PgPool, window: Duration) -> (f64, f64) {
     let (c1, cpu1) = (commits(pool).await, cpu_seconds());
     let secs = t0.elapsed().as_secs_f64();
     // The two readings are transactions of their own.
-    ((c1 - c0 - 1) as f64 / secs, (cpu1 - cpu0) / secs * 100.0)
+    (
+        (c1 - c0 - 1).max(0) as f64 / secs,
+        (cpu1 - cpu0) / secs * 100.0,
+    )
 }
 
 async fn connections(pool: &PgPool) -> i64 {
