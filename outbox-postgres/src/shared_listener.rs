@@ -225,7 +225,7 @@ async fn listen_loop(options: PgConnectOptions, registry: Arc<Registry>) {
         match connect(&options).await {
             Ok(mut listener) => {
                 if failures > 0 {
-                    tracing::info!("shared outbox listener connected again");
+                    tracing::info!("outbox listener connected again");
                 }
                 failures = 0;
                 pause = RECONNECT_FIRST;
@@ -237,7 +237,7 @@ async fn listen_loop(options: PgConnectOptions, registry: Arc<Registry>) {
             Err(e) => {
                 failures += 1;
                 if failures == 1 {
-                    tracing::warn!(error = %e, "shared outbox listener cannot connect; its relays poll until it can");
+                    tracing::warn!(error = %e, "outbox listener cannot LISTEN; its relays poll until it can");
                 }
             }
         }
