@@ -22,7 +22,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use outbox_api::{Error, ErrorKind, HealthReport, HealthStatus, Result};
 
-use crate::relay::Budget;
+use crate::relay::{Budget, lock};
 use crate::{DrainReport, RelayBuilder, RelayHandle};
 
 /// One relay process for many outboxes: each outbox added is relayed by a
@@ -152,10 +152,6 @@ impl FleetHealth {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Fleet {
     /// Starts building a fleet.
     pub fn builder() -> FleetBuilder {
@@ -265,14 +261,11 @@ impl Fleet {
         let reports = join_all(members.iter().map(|(_, h)| h.health())).await;
         let outboxes: BTreeMap<String, HealthReport> =
             members.into_iter().map(|(n, _)| n).zip(reports).collect();
+        // `HealthStatus` is ordered from healthy to unhealthy.
         let status = outboxes
             .values()
             .map(|r| r.status)
-            .max_by_key(|s| match s {
-                HealthStatus::Healthy => 0,
-                HealthStatus::Degraded => 1,
-                HealthStatus::Unhealthy => 2,
-            })
+            .max()
             .unwrap_or(HealthStatus::Healthy);
         FleetHealth { status, outboxes }
     }

@@ -12,6 +12,8 @@ use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 
+use crate::announce::lock;
+
 /// How long the listener waits before connecting again after a failure,
 /// at first and at most.
 const RECONNECT_FIRST: Duration = Duration::from_millis(100);
@@ -72,6 +74,13 @@ struct Channel {
     listened: bool,
 }
 
+impl Channel {
+    /// Tells its listeners of a change.
+    fn bump(&self) {
+        self.changes.send_modify(|v| *v = v.wrapping_add(1));
+    }
+}
+
 impl std::fmt::Debug for PgSharedListener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgSharedListener")
@@ -79,10 +88,6 @@ impl std::fmt::Debug for PgSharedListener {
             .field("listening", &self.is_listening())
             .finish()
     }
-}
-
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl PgSharedListener {
@@ -200,14 +205,12 @@ impl Registry {
 
     fn bump(&self, channel: &str) {
         if let Some(c) = lock(&self.channels).get(channel) {
-            c.changes.send_modify(|v| *v = v.wrapping_add(1));
+            c.bump();
         }
     }
 
     fn bump_all(&self) {
-        for c in lock(&self.channels).values() {
-            c.changes.send_modify(|v| *v = v.wrapping_add(1));
-        }
+        lock(&self.channels).values().for_each(Channel::bump);
     }
 
     fn wanted(&self) -> HashSet<String> {
@@ -230,7 +233,7 @@ async fn listen_loop(options: PgConnectOptions, registry: Arc<Registry>) {
                 failures = 0;
                 pause = RECONNECT_FIRST;
                 registry.listening.store(true, Ordering::SeqCst);
-                let e = serve(&mut listener, &registry).await;
+                let Err(e) = serve(&mut listener, &registry).await;
                 tracing::warn!(error = %e,
                     "outbox listener lost its connection; its relays poll until it is back");
             }
@@ -249,14 +252,7 @@ async fn listen_loop(options: PgConnectOptions, registry: Arc<Registry>) {
 
 /// Listens on one connection until it fails: keeps its channels those the
 /// registry wants, and reports what arrives.
-async fn serve(listener: &mut PgListener, registry: &Registry) -> sqlx::Error {
-    match serve_until_lost(listener, registry).await {
-        Err(e) => e,
-        Ok(never) => match never {},
-    }
-}
-
-async fn serve_until_lost(
+async fn serve(
     listener: &mut PgListener,
     registry: &Registry,
 ) -> Result<std::convert::Infallible, sqlx::Error> {
