@@ -84,6 +84,27 @@ impl Nats {
     }
 }
 
+/// The consumer's `ack_wait` in these tests.
+const ACK_WAIT: Duration = Duration::from_secs(4);
+
+impl Nats {
+    /// Messages of consumer `c1` not acknowledged yet: as soon as none is
+    /// left, or what is left after `within`.
+    async fn left_after(&self, within: Duration) -> u64 {
+        let stream = self.js.get_stream(&self.name).await.unwrap();
+        let mut c: jetstream::consumer::PullConsumer = stream.get_consumer("c1").await.unwrap();
+        let deadline = Instant::now() + within;
+        loop {
+            let info = c.info().await.unwrap();
+            let left = info.num_ack_pending as u64 + info.num_pending;
+            if left == 0 || Instant::now() > deadline {
+                return left;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 #[async_trait]
 impl ConsumerUnderTest for Nats {
     async fn spawn<I>(
@@ -104,7 +125,7 @@ impl ConsumerUnderTest for Nats {
             // What was on its way when a connection broke comes again
             // after `ack_wait`.
             .handler_timeout(Duration::from_secs(2))
-            .ack_wait(Duration::from_secs(4));
+            .ack_wait(ACK_WAIT);
         if let Some(n) = settings.max_attempts {
             b = b.max_attempts(n);
         }
@@ -175,19 +196,13 @@ impl ConsumerUnderTest for Nats {
     }
 
     async fn stop_and_count_left(&self) -> u64 {
+        // While the consumer runs: an acknowledgement lost with a cut
+        // connection makes the server deliver the message again after
+        // `ack_wait`, and the running consumer settles that copy.
+        self.left_after(ACK_WAIT * 3).await;
         self.handle().shutdown().await;
-        let stream = self.js.get_stream(&self.name).await.unwrap();
-        let mut c: jetstream::consumer::PullConsumer = stream.get_consumer("c1").await.unwrap();
         // Acknowledgements are messages too: give the last ones a moment.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let info = c.info().await.unwrap();
-            let left = info.num_ack_pending as u64 + info.num_pending;
-            if left == 0 || Instant::now() > deadline {
-                return left;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        self.left_after(Duration::from_secs(5)).await
     }
 
     async fn finish(&self) {
