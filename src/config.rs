@@ -77,6 +77,11 @@ pub struct RelayConfig {
     /// [`health`](crate::Relay::health) is asked. The other metrics are
     /// recorded as things happen.
     pub metrics_interval: Option<Duration>,
+    /// Which labels the per-message metrics carry
+    /// ([`MetricLabels::OutboxAndType`]; a [`Fleet`](crate::Fleet) sets its
+    /// own, by default [`MetricLabels::Outbox`]). See [`crate::metrics`] for
+    /// how many series each choice makes.
+    pub metric_labels: crate::metrics::MetricLabels,
 }
 
 impl Default for RelayConfig {
@@ -102,6 +107,7 @@ impl Default for RelayConfig {
             store_error_backoff: Duration::from_secs(1),
             name: "outbox".to_owned(),
             metrics_interval: Some(Duration::from_secs(15)),
+            metric_labels: crate::metrics::MetricLabels::OutboxAndType,
         }
     }
 }

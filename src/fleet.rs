@@ -22,6 +22,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use outbox_api::{Error, ErrorKind, HealthReport, HealthStatus, Result};
 
+use crate::metrics::MetricLabels;
 use crate::relay::{Budget, lock};
 use crate::{DrainReport, RelayBuilder, RelayHandle};
 
@@ -43,6 +44,7 @@ struct Inner {
     budget: Arc<Budget>,
     worker_id: String,
     sweep: Duration,
+    labels: MetricLabels,
     members: Mutex<BTreeMap<String, Arc<RelayHandle>>>,
 }
 
@@ -65,6 +67,7 @@ pub struct FleetBuilder {
     concurrency: usize,
     worker_id: String,
     sweep: Duration,
+    labels: MetricLabels,
 }
 
 impl Default for FleetBuilder {
@@ -73,6 +76,7 @@ impl Default for FleetBuilder {
             concurrency: 64,
             worker_id: format!("fleet-{}-{:08x}", std::process::id(), fastrand::u32(..)),
             sweep: DEFAULT_SWEEP,
+            labels: MetricLabels::Outbox,
         }
     }
 }
@@ -109,6 +113,15 @@ impl FleetBuilder {
         self
     }
 
+    /// Which labels its outboxes' per-message metrics carry
+    /// ([`MetricLabels::Outbox`]: the outbox and the message kind, not the
+    /// type, so that the series grow with the outboxes only; see
+    /// [`crate::metrics`] for the count). Set for every outbox added.
+    pub fn metric_labels(mut self, labels: MetricLabels) -> Self {
+        self.labels = labels;
+        self
+    }
+
     /// Checks the configuration and builds the fleet, with no outbox yet.
     pub fn build(self) -> Result<Fleet> {
         if self.concurrency == 0 {
@@ -125,6 +138,7 @@ impl FleetBuilder {
                 budget: Arc::new(Budget::new(self.concurrency)),
                 worker_id: self.worker_id,
                 sweep: self.sweep,
+                labels: self.labels,
                 members: Mutex::new(BTreeMap::new()),
             }),
         })
@@ -171,8 +185,9 @@ impl Fleet {
     /// budget; its `poll_interval` to the fleet's
     /// [sweep](FleetBuilder::sweep_interval) (so a `NextRound` retry waits
     /// for the sweep: give a fleet's outboxes a retry policy with delays);
-    /// and its `metrics_interval` and `purge_interval` to at least the
-    /// sweep.
+    /// its `metrics_interval` and `purge_interval` to at least the sweep;
+    /// and its [`metric_labels`](FleetBuilder::metric_labels) to the
+    /// fleet's.
     ///
     /// Fails, adding nothing, on a name that is empty, has whitespace or
     /// control characters, or is in the fleet already, and on a relay
@@ -199,6 +214,7 @@ impl Fleet {
             .poll_interval(sweep)
             .metrics_interval(metrics)
             .purge_interval(purge)
+            .metric_labels(self.inner.labels)
             .worker_id(format!("{}/{name}", self.inner.worker_id))
             .name(name.clone())
             .fleet(self)

@@ -10,9 +10,26 @@
 //!
 //! Every metric carries [`OUTBOX`] (the relay's [`name`](crate::RelayConfig::name));
 //! per-message metrics also carry [`MESSAGE_KIND`] (`domain` or
-//! `integration`) and [`MESSAGE_TYPE`]. No label holds a message id, a key
+//! `integration`) and [`MESSAGE_TYPE`] (not with [`MetricLabels::Outbox`],
+//! a fleet's default). No label holds a message id, a key
 //! or an error text: label values are the application's own outbox names
 //! and message types, a finite set fixed by its code.
+//!
+//! # How many series
+//!
+//! A relay registers 3 gauges (4 with a transport) and its claim-size
+//! histogram, and for each message kind and type it meets 4 counters (5
+//! for integration messages: `rejected`) and 2 histograms. With
+//! [`MetricLabels::Outbox`] the per-message ones are registered once per
+//! kind instead of once per type, so an outbox costs a fixed number
+//! whatever its types: at most 4 gauges, 9 counters and 5 histograms. In
+//! Prometheus a histogram is a series a bucket plus two ([`SECONDS_BUCKETS`]:
+//! 22; [`CLAIM_SIZE_BUCKETS`]: 14), so that is at most 115 series an
+//! outbox. A [`Fleet`](crate::Fleet) uses [`MetricLabels::Outbox`] by
+//! default, so its series grow with its outboxes only: 115,000 for 1,000
+//! tenants with both kinds. Size the recorder for that, or with
+//! thousands of tenants use the fleet's health and the console for the
+//! per-tenant view.
 //!
 //! Names follow the OpenTelemetry semantic conventions where one applies
 //! (`messaging.process.duration`, `messaging.client.operation.duration`
@@ -21,6 +38,22 @@
 //! Prometheus exporters turn the dots into underscores
 //! (`outbox_messages_delivered_total`). See the README's Operations
 //! section for the list and `docs/decisions.md` for the choices.
+
+/// Which labels a relay's per-message metrics (counters, the lag and
+/// duration histograms) carry. The backlog gauges, the transport gauge and
+/// the claim-size histogram carry [`OUTBOX`] alone in every case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum MetricLabels {
+    /// [`OUTBOX`], [`MESSAGE_KIND`] and [`MESSAGE_TYPE`]: a relay's
+    /// default. Series grow with outboxes × message types.
+    #[default]
+    OutboxAndType,
+    /// [`OUTBOX`] and [`MESSAGE_KIND`], without [`MESSAGE_TYPE`]: every
+    /// type of a kind counts in one series. Series grow with outboxes
+    /// only; a [`Fleet`](crate::Fleet)'s default.
+    Outbox,
+}
 
 /// Label: the relay's outbox name ([`RelayConfig::name`](crate::RelayConfig::name)).
 pub const OUTBOX: &str = "outbox.name";

@@ -238,3 +238,82 @@ fn a_running_relay_reads_the_backlog_gauges_by_itself() {
         handle.shutdown().await;
     });
 }
+
+#[test]
+fn a_fleet_labels_by_outbox_and_kind_so_its_series_grow_with_its_outboxes_only() {
+    let rec = TestRecorder::new();
+    rec.block_on(async {
+        let fleet = outbox::Fleet::builder()
+            .worker_id("metrics-fleet")
+            .build()
+            .unwrap();
+        let types = ["A", "B", "C"];
+        let mut stores = Vec::new();
+        for tenant in ["tenant-1", "tenant-2"] {
+            let store = MemoryStore::new();
+            let mut tx = store.begin();
+            for ty in types {
+                tx.enqueue(domain(ty)).unwrap();
+                tx.enqueue(domain(ty)).unwrap();
+            }
+            tx.commit().unwrap();
+            let mut handlers = Handlers::new();
+            for ty in types {
+                handlers =
+                    handlers.on_message(ty, |_: &Message| async { Ok::<_, HandlerError>(()) });
+            }
+            fleet
+                .add(tenant, Relay::builder(store.clone()).dispatcher(handlers))
+                .unwrap();
+            stores.push(store);
+        }
+        fleet.until_idle().await.unwrap();
+        for tenant in ["tenant-1", "tenant-2"] {
+            // One series for the kind, every type counted in it.
+            let labels = [(m::OUTBOX, tenant), (m::MESSAGE_KIND, "domain")];
+            assert_eq!(rec.counter(m::DELIVERED, &labels), 6, "{tenant}");
+            assert_eq!(rec.histogram(m::DELIVERY_LAG, &labels).len(), 6, "{tenant}");
+            for ty in types {
+                assert_eq!(
+                    rec.try_counter(m::DELIVERED, &with(of("domain", ty), &[])),
+                    None,
+                    "no per-type series in a fleet by default"
+                );
+            }
+        }
+        let delivered = rec
+            .keys()
+            .into_iter()
+            .filter(|k| k.starts_with(&format!("counter Key({},", m::DELIVERED)))
+            .count();
+        assert_eq!(delivered, 2, "one series an outbox: {:#?}", rec.keys());
+        fleet.shutdown().await;
+    });
+}
+
+#[test]
+fn a_fleet_can_keep_the_type_label() {
+    let rec = TestRecorder::new();
+    rec.block_on(async {
+        let fleet = outbox::Fleet::builder()
+            .worker_id("metrics-fleet-typed")
+            .metric_labels(m::MetricLabels::OutboxAndType)
+            .build()
+            .unwrap();
+        let store = MemoryStore::new();
+        let mut tx = store.begin();
+        tx.enqueue(domain("A")).unwrap();
+        tx.enqueue(domain("B")).unwrap();
+        tx.commit().unwrap();
+        let handlers = Handlers::new()
+            .on_message("A", |_: &Message| async { Ok::<_, HandlerError>(()) })
+            .on_message("B", |_: &Message| async { Ok::<_, HandlerError>(()) });
+        fleet
+            .add(OUTBOX, Relay::builder(store.clone()).dispatcher(handlers))
+            .unwrap();
+        fleet.until_idle().await.unwrap();
+        assert_eq!(rec.counter(m::DELIVERED, &of("domain", "A")), 1);
+        assert_eq!(rec.counter(m::DELIVERED, &of("domain", "B")), 1);
+        fleet.shutdown().await;
+    });
+}

@@ -145,6 +145,8 @@ impl RelayBuilder {
         unavailable_max: Duration);
     setter!(/// See [`RelayConfig::metrics_interval`].
         metrics_interval: Option<Duration>);
+    setter!(/// See [`RelayConfig::metric_labels`].
+        metric_labels: crate::metrics::MetricLabels);
 
     /// See [`RelayConfig::name`].
     pub fn name(mut self, name: impl Into<String>) -> Self {
@@ -162,7 +164,11 @@ impl RelayBuilder {
             ));
         }
         let gate = Gate::new(self.transport.is_some());
-        let meter = Meter::new(&self.config.name, self.transport.is_some());
+        let meter = Meter::new(
+            &self.config.name,
+            self.config.metric_labels,
+            self.transport.is_some(),
+        );
         let unavailable = HandlerUnavailability::new(
             self.config.unavailable_initial,
             self.config.unavailable_max,

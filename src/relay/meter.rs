@@ -19,6 +19,9 @@ use crate::metrics as m;
 pub(super) struct TypeMeter {
     kind: MessageKind,
     message_type: String,
+    /// Whether [`m::MESSAGE_TYPE`] is a label (else one meter serves every
+    /// type of the kind).
+    by_type: bool,
     pub delivered: Counter,
     pub failed: Counter,
     pub rejected: Counter,
@@ -32,15 +35,17 @@ pub(super) struct TypeMeter {
 }
 
 impl TypeMeter {
-    /// Whether these are the handles of `message`'s kind and type.
+    /// Whether these are the handles of `message`'s kind and type (of its
+    /// kind alone when the type is not a label).
     pub(super) fn is(&self, message: &Message) -> bool {
-        self.kind == message.kind && self.message_type == message.message_type
+        self.kind == message.kind && (!self.by_type || self.message_type == message.message_type)
     }
 }
 
 /// The relay's handles.
 pub(super) struct Meter {
     outbox: SharedString,
+    labels: m::MetricLabels,
     /// By message type: domain, integration.
     types: [Mutex<HashMap<String, Arc<TypeMeter>>>; 2],
     claim_size: Histogram,
@@ -60,7 +65,7 @@ impl std::fmt::Debug for Meter {
 
 impl Meter {
     /// Registers the relay's gauges with the recorder in force.
-    pub(super) fn new(outbox: &str, has_transport: bool) -> Self {
+    pub(super) fn new(outbox: &str, labels: m::MetricLabels, has_transport: bool) -> Self {
         let outbox = SharedString::from(outbox.to_owned());
         let transport_up = has_transport.then(|| {
             let g = gauge!(m::TRANSPORT_UP, m::OUTBOX => outbox.clone());
@@ -74,6 +79,7 @@ impl Meter {
             oldest_age: gauge!(m::OLDEST_PENDING_AGE, m::OUTBOX => outbox.clone()),
             transport_up,
             types: Default::default(),
+            labels,
             outbox,
         }
     }
@@ -84,28 +90,43 @@ impl Meter {
             MessageKind::Domain => (0, "domain"),
             MessageKind::Integration => (1, "integration"),
         };
+        let by_type = self.labels == m::MetricLabels::OutboxAndType;
+        let key = if by_type {
+            message.message_type.as_str()
+        } else {
+            ""
+        };
         let mut map = lock(&self.types[slot]);
-        if let Some(t) = map.get(message.message_type.as_str()) {
+        if let Some(t) = map.get(key) {
             return t.clone();
         }
-        let t = Arc::new(self.register(message.kind, kind, &message.message_type));
-        map.insert(message.message_type.clone(), t.clone());
+        let t = Arc::new(self.register(message.kind, kind, &message.message_type, by_type));
+        map.insert(key.to_owned(), t.clone());
         t
     }
 
-    fn register(&self, k: MessageKind, kind: &'static str, message_type: &str) -> TypeMeter {
+    fn register(
+        &self,
+        k: MessageKind,
+        kind: &'static str,
+        message_type: &str,
+        by_type: bool,
+    ) -> TypeMeter {
         let outbox = self.outbox.clone();
         let ty = SharedString::from(message_type.to_owned());
         let labels = || {
-            [
+            let mut l = vec![
                 (m::OUTBOX, outbox.clone()),
                 (m::MESSAGE_KIND, SharedString::const_str(kind)),
-                (m::MESSAGE_TYPE, ty.clone()),
-            ]
+            ];
+            if by_type {
+                l.push((m::MESSAGE_TYPE, ty.clone()));
+            }
+            l
         };
         let counter_of = |name: &'static str| counter!(name, &labels());
         let released = |reason: &'static str| {
-            let mut l = labels().to_vec();
+            let mut l = labels();
             l.push((m::RELEASE_REASON, SharedString::const_str(reason)));
             counter!(m::RELEASED, &l)
         };
@@ -115,7 +136,7 @@ impl Meter {
         } else {
             ("send", m::OPERATION_DURATION)
         };
-        let mut duration_labels = labels().to_vec();
+        let mut duration_labels = labels();
         duration_labels.push((m::OPERATION_NAME, SharedString::const_str(op)));
         duration_labels.push((m::OPERATION_TYPE, SharedString::const_str(op)));
         // Only what can happen to the kind is registered (a domain message
@@ -124,6 +145,7 @@ impl Meter {
         TypeMeter {
             kind: k,
             message_type: message_type.to_owned(),
+            by_type,
             delivered: counter_of(m::DELIVERED),
             failed: counter_of(m::FAILED),
             rejected: if domain {
