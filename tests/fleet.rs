@@ -260,3 +260,116 @@ fn a_fleet_refuses_a_bad_configuration() {
         .unwrap_err();
     assert!(e.to_string().contains("sweep_interval"), "{e}");
 }
+
+/// The database files under `dir` this process has open now (by its file
+/// descriptors; a connection also opens the WAL and its index, not counted).
+fn open_db_files(dir: &std::path::Path) -> usize {
+    let mut files = std::collections::BTreeSet::new();
+    for fd in std::fs::read_dir("/proc/self/fd")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(target) = std::fs::read_link(fd.path())
+            && target.starts_with(dir)
+            && target.extension().is_some_and(|e| e == "db")
+        {
+            files.insert(target);
+        }
+    }
+    files.len()
+}
+
+/// Enqueues `n` messages of type `t` into `store`'s file on an application
+/// connection of its own, closed afterwards.
+async fn enqueue_sqlite(store: &outbox_sqlite::SqliteStore, t: &str, n: usize) {
+    use outbox_sqlite::sqlx;
+    let options = sqlx::sqlite::SqliteConnectOptions::new().filename(store.path());
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for i in 0..n {
+        store.outbox().enqueue(&mut *tx, msg(t, i)).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    pool.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_of_sqlite_files_keeps_at_most_the_bound_open_and_closes_idle_ones() {
+    use outbox_sqlite::{SqliteFiles, SqliteStore};
+    let dir = tempfile::tempdir().unwrap();
+    let files = SqliteFiles::new(3, Duration::from_millis(300)).unwrap();
+    // A sweep far beyond the deadline: every delivery below comes from a
+    // claim at the start or a wake-up by an in-process commit.
+    let fleet = Fleet::builder()
+        .concurrency(8)
+        .worker_id("fleet-test-sqlite-files")
+        .sweep_interval(Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let (tenants, each) = (12, 25);
+    let delivered = Arc::new(AtomicUsize::new(0));
+    let mut stores = Vec::new();
+    for i in 0..tenants {
+        let store = SqliteStore::builder(dir.path().join(format!("tenant-{i}.db")))
+            .open_through(&files)
+            .connect()
+            .await
+            .unwrap();
+        store.migrate().await.unwrap();
+        enqueue_sqlite(&store, "Work", each).await;
+        stores.push(store);
+    }
+    assert!(files.open() <= 3, "{} open", files.open());
+    for (i, store) in stores.iter().enumerate() {
+        fleet
+            .add(
+                format!("tenant-{i}"),
+                Relay::builder(store.clone()).dispatcher(counting(
+                    "Work",
+                    &delivered,
+                    Duration::from_millis(1),
+                )),
+            )
+            .unwrap();
+    }
+    // Watched while the fleet drains: never more than the bound open.
+    let mut most = 0;
+    let deadline = std::time::Instant::now() + DEADLINE;
+    while delivered.load(Ordering::SeqCst) < tenants * each {
+        assert!(std::time::Instant::now() < deadline, "not all delivered");
+        most = most.max(open_db_files(dir.path())).max(files.open());
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(most <= 3, "{most} files open at once, the bound is 3");
+    assert!(most >= 1, "the watch saw no file open at all");
+    fleet.until_idle().await.unwrap();
+    // Idle: every file closed.
+    wait_until("every idle file closed", DEADLINE, || async {
+        files.open() == 0 && open_db_files(dir.path()) == 0
+    })
+    .await;
+    // A commit in this process wakes its tenant's relay, which opens its
+    // file again (no sweep will come).
+    enqueue_sqlite(&stores[5], "Work", 3).await;
+    wait_until(
+        "the woken tenant's messages delivered",
+        DEADLINE,
+        || async { delivered.load(Ordering::SeqCst) == tenants * each + 3 },
+    )
+    .await;
+    for store in &stores {
+        use outbox::Store as _;
+        let stats = store.stats().await.unwrap();
+        assert_eq!(stats.pending, 0, "{store:?}");
+    }
+    fleet.shutdown().await;
+}
+
+#[test]
+fn sqlite_files_refuse_a_zero_bound_or_idle_time() {
+    let e = outbox_sqlite::SqliteFiles::new(0, Duration::from_secs(1)).unwrap_err();
+    assert!(e.to_string().contains("max_open"), "{e}");
+    let e = outbox_sqlite::SqliteFiles::new(4, Duration::ZERO).unwrap_err();
+    assert!(e.to_string().contains("idle"), "{e}");
+}

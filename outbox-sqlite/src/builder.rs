@@ -10,6 +10,7 @@ use outbox_api::{Clock, Error, Result, SystemClock};
 use rusqlite::{Connection, OpenFlags};
 
 use crate::checkpoint::{Checkpointer, DEFAULT_CHECKPOINT_PAGES};
+use crate::files::{Cell, SqliteFiles};
 use crate::listener::Signals;
 use crate::lock_wait;
 use crate::outbox::SqliteOutbox;
@@ -31,6 +32,7 @@ pub struct SqliteStoreBuilder {
     busy_timeout: Duration,
     change_poll: Duration,
     checkpoint_pages: u32,
+    files: Option<SqliteFiles>,
 }
 
 impl std::fmt::Debug for SqliteStoreBuilder {
@@ -42,6 +44,7 @@ impl std::fmt::Debug for SqliteStoreBuilder {
             .field("busy_timeout", &self.busy_timeout)
             .field("change_poll", &self.change_poll)
             .field("checkpoint_pages", &self.checkpoint_pages)
+            .field("files", &self.files)
             .finish_non_exhaustive()
     }
 }
@@ -99,6 +102,17 @@ impl SqliteStoreBuilder {
         self
     }
 
+    /// Opens the store's connection only when a call needs it, within
+    /// `files`' bound on open connections shared with other stores, and
+    /// closes it when idle: for a fleet of outboxes in a file each (see
+    /// [`SqliteFiles`] for what such a store gives up: its relay sees
+    /// other processes' commits at its next poll, and SQLite checkpoints
+    /// the WAL as it does for any connection).
+    pub fn open_through(mut self, files: &SqliteFiles) -> Self {
+        self.files = Some(files.clone());
+        self
+    }
+
     /// Validates the configuration and opens the database (creating the
     /// file if needed) in WAL mode. Does not create tables: call
     /// [`SqliteStore::migrate`].
@@ -112,29 +126,33 @@ impl SqliteStoreBuilder {
         }
         let path = self.path.clone();
         let busy = self.busy_timeout;
-        let conn = tokio::task::spawn_blocking(move || {
-            let conn = open_connection(&path, busy, true)?;
-            // Waits for locks in short steps (`lock_wait`), up to `busy`.
-            lock_wait::install(&conn).map_err(|e| {
-                Error::unavailable(format!(
-                    "cannot configure SQLite database `{}`",
-                    path.display()
-                ))
-                .with_source(e)
-            })?;
-            Ok::<_, Error>(conn)
+        let files = self.files.clone();
+        let (cell, checkpointer) = tokio::task::spawn_blocking(move || {
+            let Some(files) = files else {
+                let conn = store_connection(&path, busy)?;
+                let checkpointer = (self.checkpoint_pages > 0)
+                    .then(|| Checkpointer::new(&conn, &path, busy, self.checkpoint_pages));
+                return Ok::<_, Error>((Cell::new(Some(conn)), checkpointer));
+            };
+            // Opened now (the file created, in WAL mode), and closed when
+            // idle like any other of `files`'.
+            let cell = Cell::new(None);
+            let mut slot = cell.lock();
+            files.admit(&cell, &mut slot, || store_connection(&path, busy))?;
+            files.used(&mut slot);
+            drop(slot);
+            Ok((cell, None))
         })
         .await
         .map_err(|e| Error::backend(format!("opening the SQLite database: {e}")))??;
-        let checkpointer = (self.checkpoint_pages > 0)
-            .then(|| Checkpointer::new(&conn, &self.path, busy, self.checkpoint_pages));
         let canonical = std::fs::canonicalize(&self.path).unwrap_or_else(|_| self.path.clone());
         let signals = shared_signals(&canonical, &sql.outbox);
         let sql = Arc::new(sql);
         Ok(SqliteStore {
             inner: Arc::new(Inner {
                 path: self.path,
-                conn: Mutex::new(conn),
+                conn: cell,
+                files: self.files,
                 checkpointer,
                 outbox: SqliteOutbox::new(Arc::clone(&sql), signals.clone(), self.clock),
                 sql,
@@ -157,6 +175,20 @@ fn shared_signals(path: &Path, table: &str) -> Signals {
     map.entry((path.to_owned(), table.to_owned()))
         .or_default()
         .clone()
+}
+
+/// Opens a store's own connection: [`open_connection`] as a writer, with
+/// lock waits in short steps (`lock_wait`) up to `busy`.
+pub(crate) fn store_connection(path: &Path, busy: Duration) -> Result<Connection> {
+    let conn = open_connection(path, busy, true)?;
+    lock_wait::install(&conn).map_err(|e| {
+        Error::unavailable(format!(
+            "cannot configure SQLite database `{}`",
+            path.display()
+        ))
+        .with_source(e)
+    })?;
+    Ok(conn)
 }
 
 /// Opens a connection with the settings every store connection uses.
@@ -203,6 +235,7 @@ impl SqliteStore {
             busy_timeout: DEFAULT_BUSY_TIMEOUT,
             change_poll: DEFAULT_CHANGE_POLL,
             checkpoint_pages: DEFAULT_CHECKPOINT_PAGES,
+            files: None,
         }
     }
 }

@@ -12,6 +12,7 @@ mod builder;
 mod checkpoint;
 mod error;
 mod existing;
+mod files;
 #[cfg(feature = "sqlx")]
 mod inbox;
 mod listener;
@@ -27,6 +28,7 @@ pub mod testing;
 pub use builder::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStoreBuilder};
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
 #[cfg(feature = "sqlx")]
+pub use files::SqliteFiles;
 pub use inbox::SqliteInbox;
 pub use listener::SqliteListener;
 #[cfg(feature = "sqlx")]

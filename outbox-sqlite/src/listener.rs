@@ -48,6 +48,9 @@ pub struct SqliteListener {
     watch: Option<Arc<Mutex<ChangeWatch>>>,
     poll: Duration,
     hinted: bool,
+    /// Without a connection: when to look again after a hint, whose
+    /// transaction may not have committed when it woke the relay.
+    recheck: Option<(Instant, u32)>,
 }
 
 impl std::fmt::Debug for SqliteListener {
@@ -148,6 +151,20 @@ impl SqliteListener {
             watch,
             poll,
             hinted: false,
+            recheck: None,
+        }
+    }
+
+    /// A listener woken by in-process signals only, with no connection of
+    /// its own (a store opened through [`SqliteFiles`](crate::SqliteFiles)).
+    pub(crate) fn signals_only(signals: &Signals) -> Self {
+        SqliteListener {
+            definite: signals.definite.listener(),
+            hint: signals.hint.listener(),
+            watch: None,
+            poll: crate::builder::DEFAULT_CHANGE_POLL,
+            hinted: false,
+            recheck: None,
         }
     }
 
@@ -181,16 +198,38 @@ impl WorkListener for SqliteListener {
                 return true;
             }
             let Some(watch) = self.watch.clone() else {
-                // No connection to see commits with: trust the signals.
+                // No connection to see commits with: trust the signals. A
+                // hint comes at the enqueue, before its commit: wake now,
+                // and again HINT_WINDOW and 10 × HINT_WINDOW later, for a
+                // transaction that was still open.
                 if self.hint.take_change() || self.hinted {
                     self.hinted = false;
+                    self.recheck = Some((Instant::now() + HINT_WINDOW, 1));
                     return true;
                 }
+                let until = match self.recheck {
+                    Some((at, _)) => at.min(deadline),
+                    None => deadline,
+                };
                 tokio::select! {
                     _ = self.definite.changed() => return true,
-                    _ = self.hint.changed() => return true,
-                    _ = tokio::time::sleep_until(deadline) => return false,
+                    _ = self.hint.changed() => self.hinted = true,
+                    _ = tokio::time::sleep_until(until) => match self.recheck.take() {
+                        Some((at, n)) if at <= Instant::now() => {
+                            if n < 2 {
+                                self.recheck = Some((Instant::now() + HINT_WINDOW * 9, n + 1));
+                            }
+                            return true;
+                        }
+                        other => {
+                            self.recheck = other;
+                            if Instant::now() >= deadline {
+                                return false;
+                            }
+                        }
+                    },
                 }
+                continue;
             };
             if lock(&watch).take_change() {
                 self.hint.take_change();

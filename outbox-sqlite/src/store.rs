@@ -1,7 +1,7 @@
 //! [`SqliteStore`]: the relay's view of one outbox table, on rusqlite.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,8 +11,10 @@ use outbox_api::{
 };
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
+use crate::builder::store_connection;
 use crate::checkpoint::Checkpointer;
 use crate::error::from_rusqlite;
+use crate::files::{Cell, SqliteFiles};
 use crate::listener::{Signals, SqliteListener};
 use crate::lock_wait;
 use crate::outbox::SqliteOutbox;
@@ -35,7 +37,10 @@ pub struct SqliteStore {
 
 pub(crate) struct Inner {
     pub(crate) path: PathBuf,
-    pub(crate) conn: Mutex<Connection>,
+    /// The store's connection: always open, or (with
+    /// [`SqliteFiles`](crate::SqliteFiles)) opened when a call needs it.
+    pub(crate) conn: Arc<Cell>,
+    pub(crate) files: Option<SqliteFiles>,
     /// Checkpoints the WAL off the store's commit path, unless turned off.
     pub(crate) checkpointer: Option<Checkpointer>,
     pub(crate) sql: Arc<Sql>,
@@ -125,10 +130,25 @@ impl SqliteStore {
     {
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || {
-            let mut conn = inner.conn.lock().unwrap_or_else(|p| p.into_inner());
-            let out = lock_wait::with_timeout(inner.busy_timeout, || f(&mut conn, &inner.sql))
+            let mut slot = inner.conn.lock();
+            if slot.conn.is_none()
+                && let Some(files) = &inner.files
+            {
+                files.admit(&inner.conn, &mut slot, || {
+                    store_connection(&inner.path, inner.busy_timeout)
+                })?;
+            }
+            let Some(conn) = slot.conn.as_mut() else {
+                return Err(Error::backend(format!(
+                    "{what}: the store's connection is closed"
+                )));
+            };
+            let out = lock_wait::with_timeout(inner.busy_timeout, || f(conn, &inner.sql))
                 .map_err(|e| from_rusqlite(e, what, &inner.sql.outbox));
-            drop(conn);
+            if let Some(files) = &inner.files {
+                files.used(&mut slot);
+            }
+            drop(slot);
             if let Some(checkpointer) = &inner.checkpointer {
                 checkpointer.after_call();
             }
@@ -381,6 +401,10 @@ impl Store for SqliteStore {
     }
 
     fn listen(&self) -> Box<dyn WorkListener> {
+        if self.inner.files.is_some() {
+            // No connection held to watch the file with (`SqliteFiles`).
+            return Box::new(SqliteListener::signals_only(&self.inner.signals));
+        }
         Box::new(SqliteListener::new(
             &self.inner.path,
             &self.inner.sql.outbox,
