@@ -3,7 +3,11 @@
 //! poisoned messages wait for has a page, not only a command line.
 //!
 //! * **Pages**: an overview (per outbox: pending, poisoned, processed,
-//!   oldest pending age, health), poisoned / pending / processed lists
+//!   oldest pending age, health; on top, the outboxes counted by status
+//!   and those not healthy named; a filter by name, `?q=`, and by status,
+//!   `?status=not-healthy`, and pages — usable with a thousand tenants'
+//!   outboxes, read a few at a time, see [`Console::read_concurrency`]),
+//!   poisoned / pending / processed lists
 //!   (type, key, attempts, last error; paging; a filter by type), a
 //!   message's detail (headers, pretty-printed payload, trace id), the
 //!   saga view of a trace (`/traces/{trace id}`: every message of that
@@ -42,6 +46,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bounded;
 mod charts;
 mod pages;
 mod security;
@@ -64,6 +69,10 @@ pub const SESSION_COOKIE: &str = "outbox_console_session";
 
 /// Shortest token accepted, in bytes.
 pub const MIN_TOKEN_LEN: usize = 16;
+
+/// How many outboxes a page reads at the same time by default
+/// ([`Console::read_concurrency`]).
+pub const DEFAULT_READ_CONCURRENCY: usize = 8;
 
 /// What can go wrong building or serving a console.
 #[derive(Debug)]
@@ -131,6 +140,7 @@ pub struct Console {
     pub(crate) prefix: String,
     pub(crate) backlog_age_alert: Duration,
     pub(crate) page_size: usize,
+    pub(crate) read_concurrency: usize,
 }
 
 impl fmt::Debug for Console {
@@ -144,6 +154,7 @@ impl fmt::Debug for Console {
             .field("prefix", &self.prefix)
             .field("backlog_age_alert", &self.backlog_age_alert)
             .field("page_size", &self.page_size)
+            .field("read_concurrency", &self.read_concurrency)
             .finish()
     }
 }
@@ -166,6 +177,7 @@ impl Console {
             prefix: String::new(),
             backlog_age_alert: Duration::from_secs(300),
             page_size: 50,
+            read_concurrency: DEFAULT_READ_CONCURRENCY,
         }
     }
 
@@ -300,9 +312,20 @@ impl Console {
         self
     }
 
-    /// Messages per list page (default 50; 1 to 500).
+    /// Messages per list page, and outboxes per overview page (default 50;
+    /// 1 to 500).
     pub fn page_size(mut self, n: usize) -> Self {
         self.page_size = n.clamp(1, 500);
+        self
+    }
+
+    /// How many outboxes a page reads at the same time when it reads them
+    /// all — the overview's health and counts, the saga view's search
+    /// (default [`DEFAULT_READ_CONCURRENCY`]; 1 to 64). With many outboxes
+    /// on one database (a schema per tenant), keep it at or below the
+    /// pool's size: more only waits for connections.
+    pub fn read_concurrency(mut self, n: usize) -> Self {
+        self.read_concurrency = n.clamp(1, 64);
         self
     }
 }

@@ -10,6 +10,27 @@ use outbox_api::Timestamp;
 
 use crate::pages::State;
 
+/// Most outboxes the navigation bar links to one by one; with more (a
+/// fleet of tenants), it links to the overview, which filters and pages.
+pub(crate) const NAV_OUTBOXES: usize = 10;
+
+/// Most names a sentence lists before it says how many more there are.
+pub(crate) const NAMES_SHOWN: usize = 10;
+
+/// The first `max` of `names`, comma-separated, then `and N more`.
+pub(crate) fn some_names<S: AsRef<str>>(names: &[S], max: usize) -> String {
+    let mut text = names
+        .iter()
+        .take(max)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > max {
+        text.push_str(&format!(" and {} more", names.len() - max));
+    }
+    text
+}
+
 /// A whole page: `title`, the navigation, `body`.
 pub(crate) fn page(state: &State, title: &str, body: Markup) -> Markup {
     let p = &state.prefix;
@@ -26,9 +47,14 @@ pub(crate) fn page(state: &State, title: &str, body: Markup) -> Markup {
                 header {
                     nav {
                         a.brand href=(state.home()) { "outbox console" }
-                        @for o in &state.outboxes {
+                        @if state.outboxes.len() <= NAV_OUTBOXES {
+                            @for o in &state.outboxes {
+                                " "
+                                a href=(state.list_url(&o.name, "poisoned", None, 1)) { (o.name) }
+                            }
+                        } @else {
                             " "
-                            a href=(state.list_url(&o.name, "poisoned", None, 1)) { (o.name) }
+                            a href=(state.home()) { (state.outboxes.len()) " outboxes" }
                         }
                     }
                     @if state.keys.token_required() {
@@ -252,6 +278,9 @@ button.primary { border-color: #1d4ed8; color: #1d4ed8; }
 nav.tabs a { margin-right: 1rem; }
 nav.tabs a.current { font-weight: 700; text-decoration: none; color: inherit; }
 .pager a { margin-right: 1rem; }
+.summary a { margin-right: .2rem; }
+form.filter { margin: .6rem 0; }
+form.filter label { margin-right: .8rem; }
 figure.chart { background: #fff; border: 1px solid #e3e6eb; margin: .8rem 0; padding: .6rem .8rem; max-width: 48rem; }
 figure.chart figcaption { font-weight: 600; }
 figure.chart svg { width: 100%; height: auto; }
@@ -287,6 +316,13 @@ mod tests {
         let (shown, note) = payload(&big);
         assert_eq!(shown.len(), MAX_SHOWN_PAYLOAD);
         assert!(note.contains("first"), "{note}");
+    }
+
+    #[test]
+    fn names_are_cut_with_a_count() {
+        assert_eq!(some_names(&["a", "b"], 10), "a, b");
+        assert_eq!(some_names(&["a", "b", "c"], 2), "a, b and 1 more");
+        assert_eq!(some_names::<&str>(&[], 2), "");
     }
 
     #[test]

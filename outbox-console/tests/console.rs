@@ -5,6 +5,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -1209,4 +1210,259 @@ async fn serve_on_answers_over_tcp_with_the_peer_known() {
         .expect("the server stops on its shutdown signal")
         .unwrap()
         .unwrap();
+}
+
+/// The outbox names of an overview's rows, in order.
+fn overview_rows(body: &str) -> Vec<String> {
+    body.split("<tr><td>")
+        .skip(1)
+        .map(|row| match row.strip_prefix("<a href=\"/") {
+            Some(linked) => linked.split('/').next().unwrap().to_owned(),
+            None => row.split("</td>").next().unwrap().to_owned(),
+        })
+        .collect()
+}
+
+/// The line on top of the overview.
+fn summary(body: &str) -> &str {
+    let start = body
+        .find(r#"<p class="summary">"#)
+        .unwrap_or_else(|| panic!("no summary in {body}"));
+    let end = body[start..].find("</p>").unwrap() + start;
+    &body[start..end]
+}
+
+fn names(range: impl IntoIterator<Item = usize>) -> Vec<String> {
+    range
+        .into_iter()
+        .map(|i| format!("tenant_{i:02}"))
+        .collect()
+}
+
+/// A fleet's overview: 25 tenants (two with a poisoned message) and an
+/// outbox whose store is down, ten a page. The line on top counts all of
+/// them by status and names the three that are not healthy; `q` filters
+/// by a part of the name, `status` by health, and the pages follow the
+/// filter.
+#[tokio::test]
+async fn overview_filters_by_name_and_status_and_pages() {
+    let mut console = Console::new().page_size(10);
+    let mut backends = Vec::new();
+    for i in 0..25 {
+        let b = Backend::memory().await;
+        if i == 7 || i == 19 {
+            b.poisoned(vec![domain("A", "{}")], "no").await;
+        } else {
+            b.enqueue(vec![domain("A", "{}")]).await;
+        }
+        console = console.outbox(format!("tenant_{i:02}"), b.store()).unwrap();
+        backends.push(b);
+    }
+    let app = router(console.outbox("billing", Arc::new(Down)).unwrap());
+
+    let page = get(&app, "/").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    page.assert_page();
+    assert_eq!(overview_rows(&page.body), names(0..10));
+    let top = summary(&page.body);
+    assert!(top.contains("26 outboxes: "), "{top}");
+    for want in [
+        r#"23 <span class="status healthy">healthy</span>"#,
+        r#"2 <span class="status degraded">degraded</span>"#,
+        r#"1 <span class="status unavailable">unavailable</span>"#,
+        ">tenant_07</a>",
+        ">tenant_19</a>",
+        ">billing</a>",
+    ] {
+        assert!(top.contains(want), "missing {want:?} in {top}");
+    }
+    assert!(
+        !top.contains("tenant_00"),
+        "only the unhealthy are named: {top}"
+    );
+    assert!(page.body.contains("page 1 of 3"), "{}", page.body);
+    assert!(page.body.contains(r#"href="/?page=2""#), "{}", page.body);
+    // The navigation links to the overview, not to 26 outboxes.
+    let header = &page.body[..page.body.find("</header>").unwrap()];
+    assert!(
+        header.contains("26 outboxes") && !header.contains("tenant_"),
+        "{header}"
+    );
+
+    let last = get(&app, "/?page=3").await;
+    let mut want = names(20..25);
+    want.push("billing".to_owned());
+    assert_eq!(overview_rows(&last.body), want);
+    assert!(
+        last.body.contains("database is unreachable"),
+        "{}",
+        last.body
+    );
+    assert!(!last.body.contains("next page"), "{}", last.body);
+    assert_eq!(get(&app, "/?page=4").await.status, StatusCode::NOT_FOUND);
+    for bad in ["/?page=0", "/?page=x", "/?status=sick"] {
+        let r = get(&app, bad).await;
+        assert_eq!(r.status, StatusCode::BAD_REQUEST, "{bad}: {}", r.body);
+        r.assert_page();
+    }
+
+    // By a part of the name, in any case: tenant_10 … tenant_19, one page.
+    let page = get(&app, "/?q=TENANT_1").await;
+    assert_eq!(overview_rows(&page.body), names(10..20));
+    assert!(
+        page.body
+            .contains("Outboxes 1–10 of 10 matching the filter."),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains(r#"value="TENANT_1""#), "{}", page.body);
+    assert_eq!(
+        get(&app, "/?q=tenant_1&page=2").await.status,
+        StatusCode::NOT_FOUND
+    );
+
+    // By status.
+    let page = get(&app, "/?status=not-healthy").await;
+    assert_eq!(
+        overview_rows(&page.body),
+        ["tenant_07", "tenant_19", "billing"]
+    );
+    assert!(
+        page.body
+            .contains(r#"<option value="not-healthy" selected>"#),
+        "{}",
+        page.body
+    );
+    let page = get(&app, "/?status=not-healthy&q=tenant").await;
+    assert_eq!(overview_rows(&page.body), ["tenant_07", "tenant_19"]);
+    let page = get(&app, "/?status=degraded").await;
+    assert_eq!(overview_rows(&page.body), ["tenant_07", "tenant_19"]);
+    // The pages of a filter keep it.
+    let page = get(&app, "/?status=healthy&page=2").await;
+    assert!(
+        page.body.contains(r#"href="/?status=healthy&amp;page=3""#),
+        "{}",
+        page.body
+    );
+    let page = get(&app, "/?status=healthy&page=3").await;
+    assert_eq!(
+        overview_rows(&page.body),
+        ["tenant_22", "tenant_23", "tenant_24"]
+    );
+
+    // What is typed into the filter is shown escaped.
+    let page = get(&app, "/?q=%3Cscript%3Ealert(1)%3C%2Fscript%3E").await;
+    assert_eq!(page.status, StatusCode::OK, "{}", page.body);
+    assert!(page.body.contains("No outbox matches the filter."));
+    assert!(!page.body.contains("<script>"), "{}", page.body);
+    assert!(page.body.contains("&lt;script&gt;"), "{}", page.body);
+    let long = get(&app, &format!("/?q={}", "a".repeat(65))).await;
+    assert_eq!(long.status, StatusCode::BAD_REQUEST);
+}
+
+/// A store that counts how many of its reads run at the same time (each
+/// read yields to the scheduler a few times while it counts).
+#[derive(Debug)]
+struct Counting {
+    inner: Arc<dyn OperatorStore>,
+    now: Arc<AtomicUsize>,
+    most: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    async fn counted<T>(&self, read: impl std::future::Future<Output = T>) -> T {
+        let at_once = self.now.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(at_once, Ordering::SeqCst);
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        let out = read.await;
+        self.now.fetch_sub(1, Ordering::SeqCst);
+        out
+    }
+}
+
+#[async_trait]
+impl Store for Counting {
+    async fn claim(&self, r: &ClaimRequest) -> outbox_api::Result<Vec<Message>> {
+        self.inner.claim(r).await
+    }
+    async fn complete(&self, ids: &[MessageId], now: Timestamp) -> outbox_api::Result<()> {
+        self.inner.complete(ids, now).await
+    }
+    async fn fail(&self, f: &Failure) -> outbox_api::Result<FailOutcome> {
+        self.inner.fail(f).await
+    }
+    async fn release(&self, r: &Release) -> outbox_api::Result<()> {
+        self.inner.release(r).await
+    }
+    async fn release_worker(&self, w: &str) -> outbox_api::Result<u64> {
+        self.inner.release_worker(w).await
+    }
+    async fn stats(&self) -> outbox_api::Result<Stats> {
+        self.counted(self.inner.stats()).await
+    }
+    async fn backlog(&self) -> outbox_api::Result<Backlog> {
+        self.counted(self.inner.backlog()).await
+    }
+    async fn purge_processed(&self, before: Timestamp, limit: usize) -> outbox_api::Result<u64> {
+        self.inner.purge_processed(before, limit).await
+    }
+}
+
+#[async_trait]
+impl OperatorStore for Counting {
+    async fn list(&self, q: &ListQuery) -> outbox_api::Result<Vec<Message>> {
+        self.counted(self.inner.list(q)).await
+    }
+    async fn get(&self, id: MessageId) -> outbox_api::Result<Option<Message>> {
+        self.inner.get(id).await
+    }
+    async fn retry(&self, id: MessageId, by: &str, now: Timestamp) -> outbox_api::Result<()> {
+        self.inner.retry(id, by, now).await
+    }
+    async fn discard(&self, id: MessageId, by: &str, now: Timestamp) -> outbox_api::Result<()> {
+        self.inner.discard(id, by, now).await
+    }
+    async fn activity_counts(
+        &self,
+        w: &outbox_api::activity::ActivityWindow,
+    ) -> outbox_api::Result<outbox_api::activity::ActivityCounts> {
+        self.inner.activity_counts(w).await
+    }
+}
+
+/// The overview and the saga view read many outboxes side by side, but
+/// never more at once than `read_concurrency` (default 8).
+#[tokio::test]
+async fn many_outboxes_are_read_a_few_at_a_time() {
+    let now = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let backend = Backend::memory().await;
+    backend.enqueue(vec![domain("A", "{}")]).await;
+    let fleet = |console: Console| {
+        (0..40).fold(console, |c, i| {
+            let store = Counting {
+                inner: backend.store(),
+                now: now.clone(),
+                most: most.clone(),
+            };
+            c.outbox(format!("t{i}"), Arc::new(store)).unwrap()
+        })
+    };
+    let app = router(fleet(Console::new().read_concurrency(4)));
+    for uri in ["/", "/traces/4bf92f3577b34da6a3ce929d0e0e4736"] {
+        most.store(0, Ordering::SeqCst);
+        let page = get(&app, uri).await;
+        assert_eq!(page.status, StatusCode::OK, "{uri}: {}", page.body);
+        assert_eq!(most.load(Ordering::SeqCst), 4, "{uri}");
+        assert_eq!(now.load(Ordering::SeqCst), 0);
+    }
+    let app = router(fleet(Console::new()));
+    most.store(0, Ordering::SeqCst);
+    get(&app, "/").await;
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        outbox_console::DEFAULT_READ_CONCURRENCY
+    );
 }

@@ -23,15 +23,18 @@ pub(crate) async fn trace(S(st): S<Arc<State>>, p: Result<Path<String>, PathReje
     }
     let mut rows: Vec<(&str, Message)> = Vec::new();
     let mut cut = Vec::new();
-    for o in &st.outboxes {
-        let query = ListQuery::new()
-            .trace_id(trace_id.clone())
-            .limit(MAX_TRACED + 1);
-        let mut found = o
-            .store
-            .list(&query)
-            .await
-            .map_err(|e| st.store_error(&format!("listing outbox \"{}\"", o.name), &e))?;
+    let query = ListQuery::new()
+        .trace_id(trace_id.clone())
+        .limit(MAX_TRACED + 1);
+    // A few outboxes at a time: a console may show a thousand.
+    let found = each_bounded(st.read_concurrency, &st.outboxes, |o| {
+        let query = &query;
+        async move { (o, o.store.list(query).await) }
+    })
+    .await;
+    for (o, found) in found {
+        let mut found =
+            found.map_err(|e| st.store_error(&format!("listing outbox \"{}\"", o.name), &e))?;
         if found.len() > MAX_TRACED {
             found.truncate(MAX_TRACED);
             cut.push(o.name.as_str());

@@ -15,7 +15,7 @@ use axum::http::{Extensions, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use maud::html;
 use outbox_api::{
-    ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorAction, Stats,
+    ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorAction,
     Timestamp, limits,
 };
 
@@ -26,10 +26,12 @@ use crate::{Console, Outbox, SESSION_COOKIE};
 mod actions;
 mod history;
 mod login;
+mod overview;
 
 pub(crate) use actions::{act_bulk, act_one, confirm_bulk, confirm_one};
 pub(crate) use history::{activity, trace};
 pub(crate) use login::{login, login_form, logout};
+pub(crate) use overview::overview;
 
 /// Furthest a list pages: offsets cost in proportion to their size.
 const MAX_LISTED: usize = 1_000_000;
@@ -43,6 +45,7 @@ pub(crate) struct State {
     pub(crate) keys: Keys,
     backlog_age_alert: Duration,
     page_size: usize,
+    read_concurrency: usize,
 }
 
 type Page = Result<Response, Response>;
@@ -55,6 +58,7 @@ impl State {
             prefix: console.prefix,
             backlog_age_alert: console.backlog_age_alert,
             page_size: console.page_size,
+            read_concurrency: console.read_concurrency,
         }
     }
 
@@ -83,7 +87,7 @@ impl State {
                         if known.is_empty() {
                             "none".to_owned()
                         } else {
-                            known.join(", ")
+                            view::some_names(&known, view::NAMES_SHOWN)
                         }
                     ),
                 )
@@ -140,6 +144,24 @@ impl State {
     }
 }
 
+/// Runs `read` on each of `items`, at most `n` at a time, and gives the
+/// results in the items' order: how a page reads many outboxes without
+/// reading them one by one or all at once. (The futures are made first, so
+/// that the handler's future holds no closure: axum needs it `Send` for
+/// every lifetime.)
+pub(crate) fn each_bounded<I, T, F, Fut>(
+    n: usize,
+    items: I,
+    read: F,
+) -> impl std::future::Future<Output = Vec<T>>
+where
+    I: IntoIterator,
+    F: FnMut(I::Item) -> Fut,
+    Fut: std::future::Future<Output = T>,
+{
+    crate::bounded::bounded(n, items.into_iter().map(read).collect())
+}
+
 fn params(q: Option<&str>) -> Vec<(String, String)> {
     form_urlencoded::parse(q.unwrap_or("").as_bytes())
         .into_owned()
@@ -151,6 +173,21 @@ fn param<'a>(ps: &'a [(String, String)], name: &str) -> Option<&'a str> {
         .find(|(k, _)| k == name)
         .map(|(_, v)| v.as_str())
         .filter(|v| !v.is_empty())
+}
+
+/// The `page` parameter: 1 if absent, else a whole number from 1 to
+/// `max_page` (a 400 page otherwise).
+fn page_number(st: &State, ps: &[(String, String)], max_page: usize) -> Result<usize, Response> {
+    match param(ps, "page") {
+        None => Ok(1),
+        Some(s) => match s.parse::<usize>() {
+            Ok(n) if (1..=max_page).contains(&n) => Ok(n),
+            _ => Err(st.bad_request(&format!(
+                "page must be a whole number from 1 to {max_page} (got \"{}\").",
+                view::short(s, 40)
+            ))),
+        },
+    }
 }
 
 fn path<T>(state: &State, p: Result<Path<T>, PathRejection>) -> Result<T, Response> {
@@ -184,92 +221,6 @@ fn operator(ext: &Extensions) -> String {
         Some(ConnectInfo(addr)) => format!("outbox-console ({})", addr.ip()),
         None => "outbox-console".to_owned(),
     }
-}
-
-fn state_class(s: HealthStatus) -> &'static str {
-    s.as_str()
-}
-
-/// Health from the table alone: poison and backlog age
-/// ([`outbox_api::backlog_reasons`], as the relay and `outbox health` say it).
-fn table_health(stats: &Stats, alert: Duration, now: Timestamp) -> (HealthStatus, Vec<String>) {
-    let reasons = outbox_api::backlog_reasons(&(*stats).into(), alert, now);
-    let status = if reasons.is_empty() {
-        HealthStatus::Healthy
-    } else {
-        HealthStatus::Degraded
-    };
-    (status, reasons)
-}
-
-/// `GET {prefix}/`: one row per outbox.
-pub(crate) async fn overview(S(st): S<Arc<State>>) -> Response {
-    let now = Timestamp::now();
-    let mut rows = Vec::new();
-    for o in &st.outboxes {
-        let stats = o.store.stats().await;
-        let relay = match &o.health {
-            Some(f) => Some(f().await),
-            None => None,
-        };
-        rows.push((o, stats, relay));
-    }
-    let body = html! {
-        h1 { "Overview" }
-        @if rows.is_empty() {
-            p.note { "This console was started without an outbox." }
-        } @else {
-            table {
-                thead { tr {
-                    th { "outbox" } th { "health" } th.num { "pending" } th.num { "poisoned" }
-                    th.num { "processed" } th { "oldest pending" }
-                } }
-                tbody {
-                    @for (o, stats, relay) in &rows {
-                        @match stats {
-                            Ok(s) => {
-                                @let (status, reasons) = match relay {
-                                    Some(r) => (r.status, r.reasons.clone()),
-                                    None => table_health(s, st.backlog_age_alert, now),
-                                };
-                                tr {
-                                    td {
-                                        a href=(st.list_url(&o.name, "poisoned", None, 1)) { (o.name) }
-                                        br; a.note href=(st.activity_url(&o.name)) { "activity" }
-                                    }
-                                    td {
-                                        span class={ "status " (state_class(status)) } { (status.as_str()) }
-                                        @if relay.is_none() { " " span.note { "(from the table)" } }
-                                        @for r in &reasons { br; span.note { (r) } }
-                                    }
-                                    td.num { a href=(st.list_url(&o.name, "pending", None, 1)) { (s.pending) } }
-                                    td.num { a href=(st.list_url(&o.name, "poisoned", None, 1)) { (s.poisoned) } }
-                                    td.num { a href=(st.list_url(&o.name, "processed", None, 1)) { (s.processed) } }
-                                    td { @match s.oldest_pending_created_at {
-                                        Some(t) => { (view::age(now.since(t))) }
-                                        None => { "—" }
-                                    } }
-                                }
-                            }
-                            Err(e) => {
-                                tr {
-                                    td { (o.name) }
-                                    td colspan="5" {
-                                        span class="status unavailable" { "unavailable" }
-                                        " " span.error { (e) }
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            p.note { "Counted at " (now) ". Health \"from the table\" is judged from poison and the \
-                      age of the oldest pending message; a relay's own report also knows whether \
-                      it runs and whether its transport is up." }
-        }
-    };
-    respond(StatusCode::OK, page(&st, "Overview", body))
 }
 
 /// `GET {prefix}/style.css`.
@@ -359,18 +310,7 @@ pub(crate) async fn list(
     let ty = parse_type(&st, param(&ps, "type"))?;
     let size = st.page_size;
     let max_page = MAX_LISTED / size;
-    let page_no: usize = match param(&ps, "page") {
-        None => 1,
-        Some(s) => match s.parse::<usize>() {
-            Ok(n) if (1..=max_page).contains(&n) => n,
-            _ => {
-                return Err(st.bad_request(&format!(
-                    "page must be a whole number from 1 to {max_page} (got \"{}\").",
-                    view::short(s, 40)
-                )));
-            }
-        },
-    };
+    let page_no = page_number(&st, &ps, max_page)?;
     let mut query = ListQuery::new()
         .state(state)
         .limit(size + 1)
@@ -546,23 +486,4 @@ pub(crate) async fn detail(
         StatusCode::OK,
         page(&st, &format!("Message {}", m.id), body),
     ))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn table_health_names_poison_and_age() {
-        let now = Timestamp::from_millis(1_000_000);
-        let ok = Stats::new(3, 0, 9, Some(now.saturating_sub(Duration::from_secs(10))));
-        assert_eq!(
-            table_health(&ok, Duration::from_secs(300), now).0,
-            HealthStatus::Healthy
-        );
-        let old = Stats::new(3, 1, 9, Some(now.saturating_sub(Duration::from_secs(600))));
-        let (s, reasons) = table_health(&old, Duration::from_secs(300), now);
-        assert_eq!(s, HealthStatus::Degraded);
-        assert_eq!(reasons.len(), 2, "{reasons:?}");
-    }
 }
