@@ -9,6 +9,7 @@ use outbox_api::{MessageId, MessageState};
 use crate::CliError;
 use crate::db;
 use crate::duration::parse_duration;
+use crate::glob::Glob;
 
 /// The `--database` value. Kept as given (it is parsed once the command is
 /// known, so that `health` can report a bad one as unhealthy), and shown
@@ -139,9 +140,46 @@ pub enum Command {
         )]
         backlog_alert: Duration,
     },
-    /// Serve the web console for this outbox over HTTP until interrupted
-    /// (Ctrl-C or SIGTERM). A non-loopback address needs a token.
+    /// Serve the web console for this outbox (or, with --matching, for the
+    /// outboxes of many schemas) over HTTP until interrupted (Ctrl-C or
+    /// SIGTERM). A non-loopback address needs a token.
     Serve(ServeArgs),
+    /// List the outboxes of the database with their health: every schema's
+    /// --table on PostgreSQL (one schema per tenant), the one table on SQLite.
+    #[command(
+        long_about = "List the outboxes of the database with their health: on PostgreSQL every \
+            schema holding an outbox table named --table (one schema per tenant, say), read a \
+            few at a time over one small pool; on SQLite the one table of the file.\n\n\
+            Each row: the name (the schema; the table on SQLite), its status as `outbox health` \
+            judges it (degraded for poison or an old backlog, unhealthy when it cannot be read), \
+            pending and poisoned counts, the age of the oldest pending message and the reasons. \
+            A line below counts them by status and names those that are not healthy.\n\n\
+            Exit 0 once listed, whatever their health (probe one with `health`); 1 when no \
+            schema holds such a table or none matches --matching."
+    )]
+    Outboxes(OutboxesArgs),
+}
+
+/// Arguments of `outboxes`.
+#[derive(Debug, Args)]
+pub struct OutboxesArgs {
+    /// Only outboxes whose name (the schema; the table on SQLite) matches
+    /// this pattern: `*` any run of characters, `?` one, e.g. `tenant_*`.
+    #[arg(long, value_name = "GLOB", value_parser = Glob::parse)]
+    pub matching: Option<Glob>,
+    /// Only the outboxes that are degraded or unhealthy (the line below
+    /// still counts them all).
+    #[arg(long)]
+    pub not_healthy: bool,
+    /// Degraded when the oldest pending message is older than this (units s, m, h, d).
+    #[arg(
+        long,
+        value_parser = parse_duration,
+        default_value = "5m",
+        value_name = "DURATION",
+        allow_hyphen_values = true
+    )]
+    pub backlog_alert: Duration,
 }
 
 /// The port `outbox serve` listens on by default (on 127.0.0.1).
@@ -179,6 +217,13 @@ pub struct ServeArgs {
     /// warnings) as text or as JSON objects, one a line.
     #[arg(long, value_enum, env = "OUTBOX_LOG_FORMAT", default_value = "text")]
     pub log_format: LogFormat,
+    /// PostgreSQL only: serve the outboxes of every schema whose name
+    /// matches this pattern (`*` any run of characters, `?` one, e.g.
+    /// `tenant_*`) and holds an outbox table named --table, each under the
+    /// schema's name, over one shared pool. Instead of --schema; the
+    /// schemas are found when the console starts.
+    #[arg(long, value_name = "GLOB", value_parser = Glob::parse)]
+    pub matching: Option<Glob>,
 }
 
 /// How `outbox serve` writes its log lines.

@@ -4,19 +4,21 @@
 use std::time::Duration;
 
 use outbox_api::{
-    ErrorKind, ListQuery, Message, MessageId, MessageState, OperatorAction, Timestamp,
-    backlog_reasons, format_age,
+    Backlog, ErrorKind, HealthStatus, ListQuery, Message, MessageId, MessageState, OperatorAction,
+    Timestamp, backlog_reasons, format_age,
 };
 use serde_json::{Value, json};
 
 use crate::args::{ListArgs, RetryArgs, ServeArgs};
-use crate::db::{self, Outbox, Target};
+use crate::db::{self, Found, Outbox, Target};
+use crate::glob::Glob;
+use crate::outboxes::READ_CONCURRENCY;
 use crate::{CliError, EXIT_USAGE, Output, render};
 
 /// How many processed messages one purge statement deletes.
 const PURGE_BATCH: usize = 500;
 
-fn to_json(value: &Value) -> String {
+pub(crate) fn to_json(value: &Value) -> String {
     let mut s = serde_json::to_string_pretty(value).unwrap_or_else(|_| value.to_string());
     s.push('\n');
     s
@@ -269,6 +271,20 @@ pub async fn purge(outbox: &Outbox, older_than: Duration, json: bool) -> Result<
     )))
 }
 
+/// How `outbox health` and `outbox outboxes` judge an outbox they could
+/// read: *degraded* while a message is poisoned or the oldest pending one
+/// is older than `alert` (the reasons say which), else *healthy*. An outbox
+/// that cannot be read is *unhealthy*.
+pub fn judge(backlog: &Backlog, alert: Duration, now: Timestamp) -> (HealthStatus, Vec<String>) {
+    let reasons = backlog_reasons(backlog, alert, now);
+    let status = if reasons.is_empty() {
+        HealthStatus::Healthy
+    } else {
+        HealthStatus::Degraded
+    };
+    (status, reasons)
+}
+
 /// The `unhealthy` report: exit 2, the reason on stdout and stderr.
 pub fn unhealthy(json: bool, reason: String) -> Output {
     let stdout = if json {
@@ -300,15 +316,14 @@ pub async fn health(target: &Target, alert: Duration, json: bool) -> Output {
         Ok(stats) => stats,
         Err(e) => return unhealthy(json, e.message),
     };
-    let age = stats
-        .oldest_pending_created_at
-        .map(|t| Timestamp::now().since(t));
-    let reasons = backlog_reasons(&stats, alert, Timestamp::now());
-    let (status, code) = if reasons.is_empty() {
-        ("healthy", 0)
-    } else {
-        ("degraded", 1)
+    let now = Timestamp::now();
+    let age = stats.oldest_pending_created_at.map(|t| now.since(t));
+    let (status, reasons) = judge(&stats, alert, now);
+    let code = match status {
+        HealthStatus::Healthy => 0,
+        _ => 1,
     };
+    let status = status.as_str();
     let stdout = if json {
         to_json(&json!({
             "status": status,
@@ -356,12 +371,68 @@ pub fn check_serve_args(args: &ServeArgs) -> Result<(), CliError> {
 /// Serves the console over `outbox` until Ctrl-C or SIGTERM. Prints the
 /// address it listens on (useful with port 0) as soon as it is bound.
 pub async fn serve(outbox: &Outbox, args: &ServeArgs) -> Result<Output, CliError> {
+    let console = outbox_console::Console::new()
+        .outbox(outbox.console_name(), outbox.shared_store())
+        .map_err(|e| CliError::usage(e.to_string()))?;
+    serve_console(console, &format!("`{}`", outbox.name()), args).await
+}
+
+/// Serves the console over the outboxes `found` (`serve --matching`), each
+/// under its schema's name, read [`READ_CONCURRENCY`] at a time. A schema
+/// the console cannot show (a name it reserves for its own pages, or one
+/// the stores refuse) is left out with a warning on stderr.
+pub async fn serve_many(
+    found: &Found,
+    matching: &Glob,
+    table: &str,
+    args: &ServeArgs,
+) -> Result<Output, CliError> {
+    let mut console = outbox_console::Console::new().read_concurrency(READ_CONCURRENCY);
+    let mut shown = 0usize;
+    for entry in &found.outboxes {
+        let added = match &entry.store {
+            Ok(store) => console
+                .clone()
+                .outbox(entry.name.clone(), store.clone())
+                .map_err(|e| e.to_string()),
+            Err(why) => Err(why.clone()),
+        };
+        match added {
+            Ok(with_it) => {
+                console = with_it;
+                shown += 1;
+            }
+            Err(why) => eprintln!(
+                "warning: schema `{}` is left out of the console: {}",
+                render::one_line(&entry.name),
+                render::one_line(&why)
+            ),
+        }
+    }
+    if shown == 0 {
+        return Err(CliError::failed(format!(
+            "none of the {} schema(s) matching `{matching}` can be shown (see the warnings above)",
+            found.outboxes.len()
+        )));
+    }
+    let what = format!(
+        "{shown} outbox{} (schemas matching `{matching}` with a table `{table}`)",
+        if shown == 1 { "" } else { "es" }
+    );
+    serve_console(console, &what, args).await
+}
+
+/// Serves `console` (describing it as `what`) until Ctrl-C or SIGTERM.
+/// Prints the address it listens on (useful with port 0) as soon as it is
+/// bound.
+async fn serve_console(
+    console: outbox_console::Console,
+    what: &str,
+    args: &ServeArgs,
+) -> Result<Output, CliError> {
     use std::io::Write as _;
     check_serve_args(args)?;
-    let mut console = outbox_console::Console::new()
-        .outbox(outbox.console_name(), outbox.shared_store())
-        .map_err(|e| CliError::usage(e.to_string()))?
-        .backlog_age_alert(args.backlog_alert);
+    let mut console = console.backlog_age_alert(args.backlog_alert);
     if let Some(token) = args.token() {
         console = console
             .token(token)
@@ -376,8 +447,7 @@ pub async fn serve(outbox: &Outbox, args: &ServeArgs) -> Result<Output, CliError
     let mut stdout = std::io::stdout().lock();
     let _ = writeln!(
         stdout,
-        "outbox console for `{}` listening on http://{addr}/{}",
-        outbox.name(),
+        "outbox console for {what} listening on http://{addr}/{}",
         if args.token().is_some() {
             " (token required)"
         } else {

@@ -16,6 +16,9 @@
 //!   purge --older-than 7d
 //!   health [--backlog-alert 5m]
 //!   serve [--listen 127.0.0.1:8089] [--token T]   the web console (outbox-console)
+//!   serve --matching GLOB [...]            PostgreSQL: the console over many schemas' outboxes
+//!   outboxes [--matching GLOB] [--not-healthy] [--backlog-alert 5m]
+//!                                          every schema's outbox with its health
 //! ```
 //!
 //! It never creates or migrates anything: a missing file, a file that is
@@ -39,9 +42,12 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod bounded;
 mod commands;
 mod db;
 mod duration;
+mod glob;
+mod outboxes;
 mod render;
 
 use std::io::Write as _;
@@ -227,8 +233,38 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
         Command::Serve(args) => {
             // Refused before the database is even opened.
             commands::check_serve_args(&args)?;
+            let Some(matching) = &args.matching else {
+                args.log_format.install();
+                return with_outbox(&target?, async |o| commands::serve(o, &args).await).await;
+            };
+            if schema.is_some() {
+                return Err(CliError::usage(
+                    "serve: give --matching GLOB (many schemas) or --schema NAME (one), not both \
+                     (unset --schema / OUTBOX_SCHEMA)",
+                ));
+            }
+            let target = target?;
+            if matches!(target, db::Target::Sqlite { .. }) {
+                return Err(CliError::usage(
+                    "serve --matching applies to PostgreSQL only (it picks schemas); a SQLite \
+                     database has one outbox per --table",
+                ));
+            }
             args.log_format.install();
-            with_outbox(&target?, async |o| commands::serve(o, &args).await).await
+            let found = db::open_all(&target, Some(matching)).await?;
+            let output = commands::serve_many(&found, matching, &table, &args).await;
+            found.close().await;
+            output
+        }
+        Command::Outboxes(args) => {
+            if let Some(schema) = &schema {
+                return Err(CliError::usage(format!(
+                    "outboxes lists the outbox of every schema, so --schema `{}` does not \
+                     apply: pick schemas with --matching GLOB (unset --schema / OUTBOX_SCHEMA)",
+                    schema.escape_debug()
+                )));
+            }
+            outboxes::outboxes(&target?, &args, json).await
         }
         Command::Purge { older_than } => {
             with_outbox(&target?, async |o| {

@@ -171,30 +171,35 @@ pub fn message_table(messages: &[Message]) -> String {
             ]
         })
         .collect();
-    let mut widths = header.map(|h| h.chars().count());
-    for row in &rows {
-        for (w, cell) in widths.iter_mut().zip(row) {
+    table(&header, &rows)
+}
+
+/// A table: the header, then one line per row, each column padded to its
+/// widest cell (the last one not padded). Cells must be one line already
+/// ([`one_line`]).
+pub fn table<R: AsRef<[String]>>(header: &[&str], rows: &[R]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row.as_ref()) {
             *w = (*w).max(cell.chars().count());
         }
     }
     let mut out = String::new();
     let mut line = |cells: &[String]| {
         let mut text = String::new();
-        for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
-            if i + 1 == cells.len() {
-                text.push_str(cell);
-            } else {
+        for (i, (cell, w)) in cells.iter().zip(&widths).enumerate() {
+            text.push_str(cell);
+            if i + 1 < cells.len() {
                 let pad = w - cell.chars().count();
-                text.push_str(cell);
                 text.push_str(&" ".repeat(pad + 2));
             }
         }
         out.push_str(text.trim_end());
         out.push('\n');
     };
-    line(&header.map(String::from));
-    for row in &rows {
-        line(row);
+    line(&header.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>());
+    for row in rows {
+        line(row.as_ref());
     }
     out
 }

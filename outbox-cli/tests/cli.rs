@@ -575,3 +575,56 @@ async fn named_tables_work() {
     let out = outbox(&path, &["--table", "orders_outbox", "list", "--json"]);
     assert_eq!(json_of(&out)[0]["id"], id.to_string().as_str());
 }
+
+/// On SQLite, `outboxes` lists the one table of the file with its health,
+/// as text and as JSON; a pattern that does not match it, a bad pattern
+/// and `--schema` are errors.
+#[tokio::test]
+async fn outboxes_lists_the_one_table_of_a_sqlite_file() {
+    let f = fixture().await;
+    let v = json_of(&outbox(&f.path, &["outboxes", "--json"]));
+    assert_eq!(v["table"], "outbox");
+    let listed = v["outboxes"].as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{v}");
+    assert_eq!(listed[0]["name"], "outbox");
+    assert_eq!(listed[0]["status"], "degraded");
+    assert_eq!(
+        (&listed[0]["pending"], &listed[0]["poisoned"]),
+        (&1.into(), &1.into())
+    );
+    assert!(
+        listed[0]["reasons"][0]
+            .as_str()
+            .unwrap()
+            .contains("1 poisoned message(s)"),
+        "{v}"
+    );
+    assert_eq!(v["not_healthy"], serde_json::json!(["outbox"]));
+    assert_eq!(v["count"]["outboxes"], 1);
+
+    let text = assert_ok(&outbox(&f.path, &["outboxes", "--matching", "out*"]));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(
+        lines[0].starts_with("OUTBOX") && lines[0].contains("STATUS"),
+        "{text}"
+    );
+    assert!(lines[1].starts_with("outbox  degraded  1"), "{text}");
+    assert_eq!(lines[2], "1 outbox: 1 degraded (outbox)");
+
+    assert_error(
+        &outbox(&f.path, &["outboxes", "--matching", "orders_*"]),
+        1,
+        "does not match `orders_*`",
+    );
+    assert_error(
+        &outbox(&f.path, &["outboxes", "--matching", "out[box]"]),
+        2,
+        "`[`",
+    );
+    assert_error(
+        &outbox(&f.path, &["--schema", "shop", "outboxes"]),
+        2,
+        "--schema",
+    );
+}

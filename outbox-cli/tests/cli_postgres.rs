@@ -523,3 +523,440 @@ async fn serve_shows_the_schemas_outbox_over_tcp() {
     assert!(body.contains(&f.poisoned.to_string()), "{body}");
     assert!(!body.contains(&f.pending.to_string()), "{body}");
 }
+
+/// Schemas a test made itself (`outbox outboxes` needs several that share
+/// a prefix), each with a migrated outbox table `test_outbox`; dropped
+/// with the value, as `PgUnderTest` drops its own.
+struct Tenants {
+    url: String,
+    /// The prefix every schema of this test starts with (unique).
+    prefix: String,
+    stores: Vec<outbox_postgres::PgStore>,
+}
+
+impl Tenants {
+    /// `{prefix}_{suffix}` for each suffix, migrated.
+    async fn new(suffixes: &[&str]) -> Tenants {
+        let url = outbox_postgres::testing::database_url();
+        let prefix = unique_schema("cli_fleet");
+        let mut tenants = Tenants {
+            url,
+            prefix,
+            stores: Vec::new(),
+        };
+        for suffix in suffixes {
+            let store = tenants
+                .migrated(&format!("{}{suffix}", tenants.prefix))
+                .await;
+            tenants.stores.push(store);
+        }
+        tenants
+    }
+
+    /// A migrated outbox in schema `name`, dropped with the others.
+    async fn migrated(&self, name: &str) -> outbox_postgres::PgStore {
+        let store = outbox_postgres::PgStore::builder(self.url.clone())
+            .schema(name)
+            .table(TABLE)
+            .inbox_table("test_inbox")
+            .max_connections(2)
+            .connect()
+            .await
+            .expect("connect to PostgreSQL");
+        store.migrate().await.expect("migrate");
+        store
+    }
+
+    fn schema(&self, i: usize) -> &str {
+        self.stores[i].schema()
+    }
+
+    async fn enqueue(&self, i: usize, message_type: &str) -> MessageId {
+        let store = &self.stores[i];
+        let mut tx = store.pool().begin().await.unwrap();
+        let id = store
+            .outbox()
+            .enqueue(
+                &mut tx,
+                NewMessage::new(MessageKind::Domain, message_type, b"{}".to_vec()),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        id
+    }
+
+    /// Enqueues a message in tenant `i` and poisons it (one failure, max 1).
+    async fn poisoned(&self, i: usize) -> MessageId {
+        let id = self.enqueue(i, "Poison").await;
+        let store = &self.stores[i];
+        assert_eq!(store.claim(&claim_one()).await.unwrap()[0].id, id);
+        let now = Timestamp::now();
+        let outcome = store
+            .fail(&Failure::new("w", id, "tenant handler failed", now, 1, now))
+            .await
+            .unwrap();
+        assert_eq!(outcome, FailOutcome::Poisoned { attempts: 1 });
+        id
+    }
+}
+
+impl Drop for Tenants {
+    /// Drops every schema whose name starts with the test's prefix (the
+    /// tenants' and any the test made beside them).
+    fn drop(&mut self) {
+        let url = self.url.clone();
+        let prefix = self.prefix.clone();
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                use sqlx::Connection;
+                let mut conn = sqlx::PgConnection::connect(&url).await?;
+                let schemas: Vec<String> = sqlx::query_scalar(
+                    "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
+                )
+                .bind(&prefix)
+                .fetch_all(&mut conn)
+                .await?;
+                for schema in &schemas {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#
+                    )))
+                    .execute(&mut conn)
+                    .await?;
+                }
+                conn.close().await
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop the test schemas {}*", self.prefix);
+        }
+    }
+}
+
+/// `outbox --database URL --table test_outbox ARGS…` (no schema).
+fn outbox_db(url: &str, args: &[&str]) -> Output {
+    let mut all = vec!["--database", url, "--table", TABLE];
+    all.extend_from_slice(args);
+    outbox_raw(&all)
+}
+
+/// The names of the outboxes a `--json` listing lists.
+fn listed(v: &serde_json::Value) -> Vec<&str> {
+    v["outboxes"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no outboxes in {v}"))
+        .iter()
+        .map(|o| o["name"].as_str().unwrap())
+        .collect()
+}
+
+/// Three tenants' schemas that share a prefix, one with a poisoned
+/// message, beside a schema that only starts like them and one of the
+/// prefix whose `test_outbox` is not an outbox: `--matching` lists exactly
+/// the three, with their counts and health; `--not-healthy` only the
+/// poisoned one; the summary names it.
+#[tokio::test]
+async fn postgres_outboxes_lists_the_schemas_a_pattern_matches() {
+    // 0, 1, 2 match `{prefix}_*`; 3 starts with the prefix but not `_`.
+    let t = Tenants::new(&["_a", "_b", "_c", "x_decoy"]).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"CREATE SCHEMA "{p}_plain"; CREATE TABLE "{p}_plain".{TABLE} (id bigint)"#,
+        p = t.prefix
+    )))
+    .execute(t.stores[0].pool())
+    .await
+    .unwrap();
+    t.enqueue(0, "A").await;
+    t.enqueue(0, "A").await;
+    t.poisoned(1).await;
+    t.enqueue(1, "B").await;
+    t.poisoned(3).await;
+    let (a, b, c) = (t.schema(0), t.schema(1), t.schema(2));
+    let glob = format!("{}_*", t.prefix);
+
+    let v = json_of(&outbox_db(
+        &t.url,
+        &["outboxes", "--matching", &glob, "--json"],
+    ));
+    assert_eq!(listed(&v), [a, b, c], "{v}");
+    let row = |i: usize| &v["outboxes"][i];
+    assert_eq!(
+        (&row(0)["status"], &row(0)["pending"], &row(0)["poisoned"]),
+        (&"healthy".into(), &2.into(), &0.into()),
+        "{v}"
+    );
+    assert!(row(0)["oldest_pending_age_seconds"].as_f64().unwrap() >= 0.0);
+    assert_eq!(
+        (&row(1)["status"], &row(1)["pending"], &row(1)["poisoned"]),
+        (&"degraded".into(), &1.into(), &1.into()),
+        "{v}"
+    );
+    assert!(
+        row(1)["reasons"][0]
+            .as_str()
+            .unwrap()
+            .contains("1 poisoned message(s) wait for an operator"),
+        "{v}"
+    );
+    assert_eq!(
+        (&row(2)["status"], &row(2)["pending"], &row(2)["poisoned"]),
+        (&"healthy".into(), &0.into(), &0.into()),
+        "{v}"
+    );
+    assert!(row(2)["oldest_pending_age_seconds"].is_null(), "{v}");
+    assert_eq!(
+        v["count"],
+        serde_json::json!({"outboxes": 3, "healthy": 2, "degraded": 1, "unhealthy": 0})
+    );
+    assert_eq!(v["not_healthy"], serde_json::json!([b]));
+    assert_eq!(v["table"], TABLE);
+    assert_eq!(v["matching"], glob.as_str());
+
+    // Text: a table of the three, then the summary naming the degraded one.
+    let text = assert_ok(&outbox_db(&t.url, &["outboxes", "--matching", &glob]));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 5, "{text}");
+    assert!(lines[0].starts_with("OUTBOX"), "{text}");
+    for (line, (name, status)) in
+        lines[1..4]
+            .iter()
+            .zip([(a, "healthy"), (b, "degraded"), (c, "healthy")])
+    {
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(cells[..2], [name, status], "{text}");
+    }
+    assert_eq!(
+        lines[4],
+        format!("3 outboxes: 2 healthy, 1 degraded ({b})"),
+        "{text}"
+    );
+
+    // Only the degraded one, the summary still counting all three.
+    let text = assert_ok(&outbox_db(
+        &t.url,
+        &["outboxes", "--matching", &glob, "--not-healthy"],
+    ));
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 3, "{text}");
+    assert!(lines[1].starts_with(&format!("{b}  degraded")), "{text}");
+    assert!(lines[2].starts_with("3 outboxes:"), "{text}");
+    let v = json_of(&outbox_db(
+        &t.url,
+        &["outboxes", "--matching", &glob, "--not-healthy", "--json"],
+    ));
+    assert_eq!(listed(&v), [b], "{v}");
+    assert_eq!(v["count"]["outboxes"], 3);
+
+    // With no age allowed, a pending message is a backlog too old.
+    let v = json_of(&outbox_db(
+        &t.url,
+        &[
+            "outboxes",
+            "--matching",
+            &glob,
+            "--not-healthy",
+            "--backlog-alert",
+            "0s",
+            "--json",
+        ],
+    ));
+    assert_eq!(listed(&v), [a, b], "{v}");
+    assert!(
+        v["outboxes"][0]["reasons"][0]
+            .as_str()
+            .unwrap()
+            .contains("the oldest pending message is"),
+        "{v}"
+    );
+
+    // `?` is one character: `_?` matches the three, `_??` none of them.
+    let v = json_of(&outbox_db(
+        &t.url,
+        &[
+            "outboxes",
+            "--matching",
+            &format!("{}_?", t.prefix),
+            "--json",
+        ],
+    ));
+    assert_eq!(listed(&v), [a, b, c], "{v}");
+    let out = outbox_db(
+        &t.url,
+        &["outboxes", "--matching", &format!("{}_??", t.prefix)],
+    );
+    assert_error(&out, 1, "no schema matching");
+    assert!(
+        stderr(&out).contains(&format!("{}_??", t.prefix)),
+        "{}",
+        stderr(&out)
+    );
+}
+
+/// What `outboxes` refuses, and how: a bad pattern is a usage error naming
+/// the character; a table no schema holds names the outbox tables there
+/// are; `--schema` does not apply.
+#[tokio::test]
+async fn postgres_outboxes_errors_are_clear() {
+    let t = Tenants::new(&["_a"]).await;
+    // An outbox table in a schema whose name the stores refuse (upper
+    // case): listed, as unhealthy, saying why; the others still are.
+    let upper = format!("{}_Upper", t.prefix);
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        r#"CREATE SCHEMA "{upper}";
+           CREATE TABLE "{upper}".{TABLE} (LIKE "{a}".{TABLE} INCLUDING ALL)"#,
+        a = t.schema(0)
+    )))
+    .execute(t.stores[0].pool())
+    .await
+    .unwrap();
+    let out = outbox_db(
+        &t.url,
+        &[
+            "outboxes",
+            "--matching",
+            &format!("{}_*", t.prefix),
+            "--json",
+        ],
+    );
+    let v = json_of(&out);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr(&out));
+    assert_eq!(listed(&v), [upper.as_str(), t.schema(0)], "{v}");
+    assert_eq!(v["outboxes"][0]["status"], "unhealthy", "{v}");
+    assert!(v["outboxes"][0]["pending"].is_null(), "{v}");
+    assert!(
+        v["outboxes"][0]["reasons"][0]
+            .as_str()
+            .unwrap()
+            .contains(&format!("`{upper}`")),
+        "{v}"
+    );
+    assert_eq!(v["outboxes"][1]["status"], "healthy", "{v}");
+    assert_eq!(v["count"]["unhealthy"], 1);
+    let text = assert_ok(&outbox_db(
+        &t.url,
+        &["outboxes", "--matching", &format!("{}_*", t.prefix)],
+    ));
+    assert!(
+        text.ends_with(&format!("2 outboxes: 1 healthy, 1 unhealthy ({upper})\n")),
+        "{text}"
+    );
+
+    let out = outbox_db(&t.url, &["outboxes", "--matching", "tenant_[0-9]"]);
+    assert_error(&out, 2, "`[`");
+    assert!(stderr(&out).contains("`*`"), "{}", stderr(&out));
+    assert_error(
+        &outbox_db(&t.url, &["outboxes", "--matching", "tenant.*"]),
+        2,
+        "`.`",
+    );
+    let out = outbox_raw(&[
+        "--database",
+        &t.url,
+        "--table",
+        "no_such_outbox",
+        "outboxes",
+    ]);
+    assert_error(
+        &out,
+        1,
+        "no schema of the database has an outbox table `no_such_outbox`",
+    );
+    assert!(
+        stderr(&out).contains("its outbox tables:"),
+        "the hint names some: {}",
+        stderr(&out)
+    );
+    assert_error(
+        &outbox_raw(&[
+            "--database",
+            &t.url,
+            "--schema",
+            t.schema(0),
+            "--table",
+            TABLE,
+            "outboxes",
+        ]),
+        2,
+        "--matching",
+    );
+    // The password is not shown when the server cannot be reached.
+    let out = outbox_raw(&[
+        "--database",
+        "postgres://shop:s3cretpw@127.0.0.1:1/shop",
+        "outboxes",
+    ]);
+    assert_error(&out, 1, "postgres://shop:***@127.0.0.1:1/shop");
+    assert!(!stderr(&out).contains("s3cretpw"));
+}
+
+/// `serve --matching`: one console over every matching schema's outbox,
+/// each under the schema's name; its overview filters them by status.
+#[tokio::test]
+async fn postgres_serve_matching_shows_every_matching_schema() {
+    let t = Tenants::new(&["_a", "_b", "x_decoy"]).await;
+    let poisoned = t.poisoned(1).await;
+    let (a, b, decoy) = (t.schema(0), t.schema(1), t.schema(2));
+    let glob = format!("{}_*", t.prefix);
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_outbox"));
+    cmd.env_remove("OUTBOX_DATABASE")
+        .env_remove("OUTBOX_TABLE")
+        .env_remove("OUTBOX_SCHEMA")
+        .env_remove("OUTBOX_CONSOLE_TOKEN")
+        .args(["--db", &t.url, "--table", TABLE])
+        .args(["serve", "--listen", "127.0.0.1:0", "--matching", &glob]);
+    let server = common::start(cmd);
+    let host = server.addr.to_string();
+
+    let (status, body) = common::get(server.addr, &host, "/", None);
+    assert_eq!(status, 200, "{body}");
+    for name in [a, b] {
+        assert!(body.contains(&format!(">{name}</a>")), "{name}: {body}");
+    }
+    assert!(!body.contains(decoy), "{body}");
+    assert!(body.contains("2 outboxes:"), "{body}");
+
+    let (status, body) = common::get(server.addr, &host, "/?status=not-healthy", None);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(&format!("href=\"/{b}/activity\"")), "{body}");
+    assert!(!body.contains(&format!("href=\"/{a}/activity\"")), "{body}");
+
+    let (status, body) = common::get(
+        server.addr,
+        &host,
+        &format!("/{b}/messages?state=poisoned"),
+        None,
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains(&poisoned.to_string()), "{body}");
+
+    // With --schema too, or matching nothing: refused, nothing served.
+    let out = outbox_db(
+        &t.url,
+        &[
+            "--schema",
+            a,
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--matching",
+            &glob,
+        ],
+    );
+    assert_error(&out, 2, "not both");
+    let out = outbox_db(
+        &t.url,
+        &[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--matching",
+            &format!("{}_zz*", t.prefix),
+        ],
+    );
+    assert_error(&out, 1, "no schema matching");
+}

@@ -162,3 +162,16 @@ async fn serve_logs_json_lines_when_asked() {
         "{line}"
     );
 }
+
+/// `--matching` picks PostgreSQL schemas: on SQLite it is a usage error,
+/// before anything is served.
+#[tokio::test]
+async fn serve_matching_is_refused_on_sqlite() {
+    let (_dir, path) = db().await;
+    let out = command(&path)
+        .args(["serve", "--listen", "127.0.0.1:0", "--matching", "tenant_*"])
+        .output()
+        .unwrap();
+    assert_error(&out, 2, "--matching applies to PostgreSQL only");
+    assert!(common::stdout(&out).is_empty(), "nothing was served");
+}

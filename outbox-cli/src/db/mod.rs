@@ -2,7 +2,8 @@
 //! creating or migrating anything. This is the only part of the CLI that
 //! differs by backend: [`open`] checks read-only that the table exists and
 //! is an outbox, then hands the commands an [`Outbox`] whose store is an
-//! `OperatorStore` trait object.
+//! `OperatorStore` trait object. [`open_all`] finds and opens the outboxes
+//! of many schemas at once, over one pool.
 
 mod postgres;
 mod sqlite;
@@ -13,8 +14,12 @@ use std::sync::Arc;
 use outbox_api::OperatorStore;
 use outbox_api::backend::redact_url;
 use outbox_postgres::PgStore;
+use outbox_postgres::sqlx::PgPool;
 
 use crate::CliError;
+use crate::glob::Glob;
+
+pub use postgres::SHARED_POOL_SIZE;
 
 /// The outbox table an operator named: where it is, not yet opened.
 pub enum Target {
@@ -159,6 +164,146 @@ pub async fn open(target: &Target) -> Result<Outbox, CliError> {
             })
         }
     }
+}
+
+/// The outboxes of a database that `outbox outboxes` and `outbox serve
+/// --matching` work on.
+pub struct Found {
+    /// Each outbox under its name (the schema on PostgreSQL, the table on
+    /// SQLite), sorted by name.
+    pub outboxes: Vec<Entry>,
+    /// What to close when done.
+    closing: Closing,
+}
+
+/// One outbox [`open_all`] found: its name, and its store — or why it
+/// cannot be opened (a schema name the stores refuse).
+pub struct Entry {
+    /// The schema on PostgreSQL, the table on SQLite.
+    pub name: String,
+    /// The opened store, or the reason it is not.
+    pub store: Result<Arc<dyn OperatorStore>, String>,
+}
+
+enum Closing {
+    Sqlite(Outbox),
+    Postgres(PgPool),
+}
+
+impl Found {
+    /// Closes the connections (PostgreSQL: politely, the one shared pool).
+    pub async fn close(self) {
+        match self.closing {
+            Closing::Sqlite(outbox) => outbox.close().await,
+            Closing::Postgres(pool) => pool.close().await,
+        }
+    }
+}
+
+/// Finds, read-only, the outboxes named `--table` whose name matches
+/// `matching` (all without one), and opens them. On PostgreSQL: every
+/// schema of the database holding an outbox table of that name, all
+/// opened over one pool of [`SHARED_POOL_SIZE`] connections; on
+/// SQLite: the one table of the file. None at all, or none matching, is an
+/// error naming what there is.
+pub async fn open_all(target: &Target, matching: Option<&Glob>) -> Result<Found, CliError> {
+    match target {
+        Target::Sqlite { path, table } => {
+            let outbox = open(target).await?;
+            if let Some(glob) = matching.filter(|g| !g.matches(table)) {
+                outbox.close().await;
+                return Err(CliError::failed(format!(
+                    "the outbox table `{table}` of `{}` does not match `{glob}` (a SQLite \
+                     database has one outbox per --table)",
+                    path.display()
+                )));
+            }
+            Ok(Found {
+                outboxes: vec![Entry {
+                    name: table.clone(),
+                    store: Ok(outbox.shared_store()),
+                }],
+                closing: Closing::Sqlite(outbox),
+            })
+        }
+        Target::Postgres { url, table, .. } => {
+            let pool = postgres::shared_pool(url).await?;
+            match find_schemas(&pool, table, matching).await {
+                Ok(schemas) => {
+                    let mut outboxes = Vec::with_capacity(schemas.len());
+                    for schema in schemas {
+                        // No statement: the names are checked, the table was found.
+                        let store = postgres::on_pool(&pool, &schema, table)
+                            .await
+                            .map(|s| Arc::new(s) as Arc<dyn OperatorStore>)
+                            .map_err(|e| e.message);
+                        outboxes.push(Entry {
+                            name: schema,
+                            store,
+                        });
+                    }
+                    Ok(Found {
+                        outboxes,
+                        closing: Closing::Postgres(pool),
+                    })
+                }
+                Err(e) => {
+                    pool.close().await;
+                    Err(e)
+                }
+            }
+        }
+    }
+}
+
+/// The schemas holding an outbox table `table` whose names match.
+async fn find_schemas(
+    pool: &PgPool,
+    table: &str,
+    matching: Option<&Glob>,
+) -> Result<Vec<String>, CliError> {
+    let all = postgres::schemas_with(pool, table).await?;
+    if all.is_empty() {
+        let tables = postgres::outbox_tables(pool).await?;
+        let hint = if tables.is_empty() {
+            "the database has no outbox tables at all; is this the application's database?"
+                .to_owned()
+        } else {
+            format!(
+                "its outbox tables: {} (choose with --table)",
+                some_names(&tables)
+            )
+        };
+        return Err(CliError::failed(format!(
+            "no schema of the database has an outbox table `{table}`; {hint}"
+        )));
+    }
+    let Some(glob) = matching else {
+        return Ok(all);
+    };
+    let matched: Vec<String> = all.iter().filter(|s| glob.matches(s)).cloned().collect();
+    if matched.is_empty() {
+        return Err(CliError::failed(format!(
+            "no schema matching `{glob}` has an outbox table `{table}`; schemas that have one: {}",
+            some_names(&all)
+        )));
+    }
+    Ok(matched)
+}
+
+/// The first few of `names`, and how many more there are.
+pub fn some_names<S: AsRef<str>>(names: &[S]) -> String {
+    const SHOWN: usize = 8;
+    let mut text = names
+        .iter()
+        .take(SHOWN)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > SHOWN {
+        text.push_str(&format!(" and {} more", names.len() - SHOWN));
+    }
+    text
 }
 
 /// Checks that `name` is a table name the stores accept (clap value
