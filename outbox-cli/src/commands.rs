@@ -390,16 +390,20 @@ pub async fn serve_many(
     let mut console = outbox_console::Console::new().read_concurrency(READ_CONCURRENCY);
     let mut shown = 0usize;
     for entry in &found.outboxes {
-        let added = match &entry.store {
-            Ok(store) => console
-                .clone()
+        // The console's name rules, tried on a console of its own: a
+        // refused name must not cost the others (schema names are unique).
+        let checked = match &entry.store {
+            Ok(store) => outbox_console::Console::new()
                 .outbox(entry.name.clone(), store.clone())
+                .map(|_| store)
                 .map_err(|e| e.to_string()),
             Err(why) => Err(why.clone()),
         };
-        match added {
-            Ok(with_it) => {
-                console = with_it;
+        match checked {
+            Ok(store) => {
+                console = console
+                    .outbox(entry.name.clone(), store.clone())
+                    .map_err(|e| CliError::usage(e.to_string()))?;
                 shown += 1;
             }
             Err(why) => eprintln!(
