@@ -156,14 +156,21 @@ fn fleet_of(name: &str, stores: &[PgStore], handlers: impl Fn(usize) -> Handlers
     fleet
 }
 
+/// Whether part `name` (`idle`, `busy`) of this bench runs: all of them
+/// unless `OUTBOX_BENCH_TENANTS_PARTS` lists some (e.g. `busy`), to look
+/// at one figure without waiting for the others. Memory is always read.
+fn part(name: &str) -> bool {
+    std::env::var("OUTBOX_BENCH_TENANTS_PARTS")
+        .map(|parts| parts.split(',').any(|p| p.trim() == name))
+        .unwrap_or(true)
+}
+
 pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let n = if quick { 20 } else { 1_000 };
-    let backlog = if quick { 2_000 } else { 100_000 };
     let window = Duration::from_secs(if quick { 2 } else { 20 });
     let pool = pool(url, APP, POOL).await;
     // The application's writers have a pool of their own.
-    let writers = 16;
-    let app = self::pool(url, "outbox-tenants-bench-app", writers as u32).await;
+    let app = self::pool(url, "outbox-tenants-bench-app", 16).await;
     let shared = PgSharedListener::new(&pool);
     let mut out = Vec::new();
 
@@ -177,11 +184,45 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     } else {
         outbox::DEFAULT_SWEEP * 3 / 2
     };
-    let (none_tps, _) = idle_cost(&pool, idle_window).await;
     let fleet = fleet_of("idle", &stores, |_| Handlers::new());
     fleet.until_idle().await.unwrap();
     let rss_fleet = rss_kb();
-    let (fleet_tps, fleet_cpu) = idle_cost(&pool, idle_window).await;
+    out.push(Figure::new(
+        format!("tenants: memory per tenant in the fleet (store + relay; RSS growth over {n})"),
+        rss_fleet.saturating_sub(rss_before) as f64 / n as f64,
+        "KB",
+        "≤ 50 KB",
+    ));
+    if part("idle") {
+        out.extend(idle_figures(&pool, &stores, fleet, idle_window).await);
+    } else {
+        fleet.shutdown().await;
+    }
+    if part("busy") {
+        out.extend(busy_figures(quick, &pool, &app, &stores, window).await);
+    }
+    drop(stores);
+    drop_tenants(&pool, n).await;
+    out
+}
+
+/// Idle cost: transactions a second and CPU of the fleet (`fleet`, running)
+/// against the database alone and against single relays.
+async fn idle_figures(
+    pool: &PgPool,
+    stores: &[PgStore],
+    fleet: Fleet,
+    idle_window: Duration,
+) -> Vec<Figure> {
+    let n = stores.len();
+    let mut out = Vec::new();
+    fleet.shutdown().await;
+    // The database's own background work (autovacuum of the new tables),
+    // with no relay running, over a window longer than a sweep.
+    let (none_tps, _) = idle_cost(pool, idle_window).await;
+    let fleet = fleet_of("idle-again", stores, |_| Handlers::new());
+    fleet.until_idle().await.unwrap();
+    let (fleet_tps, fleet_cpu) = idle_cost(pool, idle_window).await;
     fleet.shutdown().await;
     let mut singles: Vec<RelayHandle> = Vec::new();
     for (i, s) in stores.iter().enumerate() {
@@ -196,17 +237,11 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     for s in &singles {
         s.until_idle().await.unwrap();
     }
-    let (single_tps, single_cpu) = idle_cost(&pool, idle_window).await;
+    let (single_tps, single_cpu) = idle_cost(pool, idle_window).await;
     for s in &singles {
         s.shutdown().await;
     }
     drop(singles);
-    out.push(Figure::new(
-        format!("tenants: memory per tenant in the fleet (store + relay; RSS growth over {n})"),
-        rss_fleet.saturating_sub(rss_before) as f64 / n as f64,
-        "KB",
-        "≤ 50 KB",
-    ));
     out.push(
         Figure::new(
             format!(
@@ -228,8 +263,24 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
         .beside(format!("{n} single relays"), single_cpu),
     );
 
+    out
+}
+
+/// One tenant draining a backlog while the others write: the quiet
+/// tenants' latency, the hot tenant's drain against a relay alone, and the
+/// connections held.
+async fn busy_figures(
+    quick: bool,
+    pool: &PgPool,
+    app: &PgPool,
+    stores: &[PgStore],
+    window: Duration,
+) -> Vec<Figure> {
+    let (n, writers) = (stores.len(), 16);
+    let backlog = if quick { 2_000 } else { 100_000 };
+    let mut out = Vec::new();
     // The baseline drain: a relay alone on the hot tenant's backlog.
-    fill(&pool, &stores[0], backlog).await;
+    fill(pool, &stores[0], backlog).await;
     let count = Arc::new(AtomicU64::new(0));
     let alone = Relay::builder(stores[0].clone())
         .dispatcher(counting_handlers(count.clone()))
@@ -244,7 +295,7 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     assert_eq!(count.load(Ordering::Relaxed), backlog as u64);
 
     // The fleet: the hot tenant with its backlog again, the others writing.
-    fill(&pool, &stores[0], backlog).await;
+    fill(pool, &stores[0], backlog).await;
     let hot_done = Arc::new(AtomicU64::new(0));
     // Commit and handling times of the quiet messages, by sequence number.
     let sent = if quick { 4_000 } else { 200_000 };
@@ -270,8 +321,12 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let next = Arc::new(AtomicUsize::new(0));
     let mut producers = Vec::new();
     for w in 0..writers {
-        let (pool, stores, committed, next) =
-            (app.clone(), stores.clone(), committed.clone(), next.clone());
+        let (pool, stores, committed, next) = (
+            app.clone(),
+            stores.to_vec(),
+            committed.clone(),
+            next.clone(),
+        );
         producers.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval_at(
                 tokio::time::Instant::now() + every * w as u32,
@@ -301,7 +356,7 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let mut hot_rate = None;
     let mut held = 0;
     while producers.iter().any(|p| !p.is_finished()) || hot_rate.is_none() {
-        held = held.max(connections(&pool).await);
+        held = held.max(connections(pool).await);
         if hot_rate.is_none() && hot_done.load(Ordering::Relaxed) >= backlog as u64 {
             hot_rate = Some(backlog as f64 / hot_start.elapsed().as_secs_f64());
         }
@@ -343,7 +398,7 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     // LISTEN connection of its own.
     let max: i64 =
         sqlx::query_scalar("SELECT setting::int8 FROM pg_settings WHERE name = 'max_connections'")
-            .fetch_one(&pool)
+            .fetch_one(pool)
             .await
             .unwrap();
     out.push(
@@ -362,7 +417,5 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     );
 
     fleet.shutdown().await;
-    drop(stores);
-    drop_tenants(&pool, n).await;
     out
 }
