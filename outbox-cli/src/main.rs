@@ -42,7 +42,6 @@
 #![forbid(unsafe_code)]
 
 mod args;
-mod bounded;
 mod commands;
 mod db;
 mod duration;

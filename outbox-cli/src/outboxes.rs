@@ -8,10 +8,10 @@ use outbox_api::{Backlog, HealthStatus, Timestamp, format_age};
 use serde_json::{Value, json};
 
 use crate::args::OutboxesArgs;
-use crate::bounded::bounded;
 use crate::commands::{judge, to_json};
 use crate::db::{self, Entry, Target};
 use crate::{CliError, Output, render};
+use futures_util::StreamExt;
 
 /// How many outboxes are read at the same time (as many as the shared
 /// pool has connections).
@@ -78,7 +78,11 @@ async fn read_all(entries: &[Entry], alert: Duration) -> Vec<Row<'_>> {
             },
         }
     });
-    bounded(READ_CONCURRENCY, reads.collect()).await
+    // In order, at most READ_CONCURRENCY at a time, in this task.
+    futures_util::stream::iter(reads)
+        .buffered(READ_CONCURRENCY)
+        .collect()
+        .await
 }
 
 fn age(backlog: &Backlog, now: Timestamp) -> Option<Duration> {

@@ -46,7 +46,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-mod bounded;
 mod charts;
 mod pages;
 mod security;

@@ -159,7 +159,13 @@ where
     F: FnMut(I::Item) -> Fut,
     Fut: std::future::Future<Output = T>,
 {
-    crate::bounded::bounded(n, items.into_iter().map(read).collect())
+    use futures_util::StreamExt;
+    // In order, at most `n` at a time, inside the caller's task (nothing
+    // is spawned, so the reads may borrow).
+    let reads: Vec<Fut> = items.into_iter().map(read).collect();
+    futures_util::stream::iter(reads)
+        .buffered(n.max(1))
+        .collect()
 }
 
 fn params(q: Option<&str>) -> Vec<(String, String)> {
