@@ -54,7 +54,7 @@ impl PgStore {
         now: Timestamp,
     ) -> std::result::Result<Result<()>, sqlx::Error> {
         let sql = &self.inner.sql;
-        let row = sqlx::query(AssertSqlSafe(sql.state_of.as_str()))
+        let row = sqlx::query(AssertSqlSafe(sql.rare().state_of.as_str()))
             .bind(id.as_uuid())
             .fetch_optional(&mut *tx)
             .await?;
@@ -74,8 +74,8 @@ impl PgStore {
         }
         let note = action.audit_note(by, now, last_error.as_deref());
         let update = match action {
-            OperatorAction::Retry => &sql.retry,
-            OperatorAction::Discard => &sql.discard,
+            OperatorAction::Retry => &sql.rare().retry,
+            OperatorAction::Discard => &sql.rare().discard,
         };
         sqlx::query(AssertSqlSafe(update.as_str()))
             .bind(now.as_millis())
@@ -99,7 +99,7 @@ impl OperatorStore for PgStore {
     async fn list(&self, q: &ListQuery) -> Result<Vec<Message>> {
         let what = "listing messages";
         let limit = to_i64(if q.limit == 0 { 100 } else { q.limit });
-        let rows = sqlx::query(AssertSqlSafe(self.inner.sql.list.as_str()))
+        let rows = sqlx::query(AssertSqlSafe(self.inner.sql.rare().list.as_str()))
             .bind(q.state.map(MessageState::as_str))
             .bind(q.message_type.as_deref())
             .bind(limit)
@@ -116,7 +116,7 @@ impl OperatorStore for PgStore {
 
     async fn get(&self, id: MessageId) -> Result<Option<Message>> {
         let what = "reading a message";
-        let row = sqlx::query(AssertSqlSafe(self.inner.sql.get.as_str()))
+        let row = sqlx::query(AssertSqlSafe(self.inner.sql.rare().get.as_str()))
             .bind(id.as_uuid())
             .fetch_optional(&self.inner.pool)
             .await
@@ -139,7 +139,7 @@ impl OperatorStore for PgStore {
 
     async fn activity_counts(&self, w: &ActivityWindow) -> Result<ActivityCounts> {
         let what = "counting the outbox's activity";
-        let q = &self.inner.sql.activity;
+        let q = &self.inner.sql.rare().activity;
         let (since, bucket) = (w.since.as_millis(), w.bucket_ms());
         let fail = |e| self.fail(e, what);
         let n = |v: i64| u64::try_from(v).unwrap_or(0);

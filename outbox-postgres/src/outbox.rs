@@ -129,7 +129,11 @@ impl PgOutbox {
             .copied()
             .map(MessageId::from_uuid)
             .collect();
-        Ok(Some((self.shared.sql.insert_many.as_str(), columns, ids)))
+        Ok(Some((
+            self.shared.sql.rare().insert_many.as_str(),
+            columns,
+            ids,
+        )))
     }
 
     /// An insert returned its transaction's id: watch it, and announce the
@@ -277,7 +281,7 @@ impl PgOutbox {
         message_id: MessageId,
     ) -> Result<bool> {
         let now = self.shared.clock.now().as_millis();
-        let done = sqlx::query(AssertSqlSafe(self.shared.sql.receive.as_str()))
+        let done = sqlx::query(AssertSqlSafe(self.shared.sql.rare().receive.as_str()))
             .bind(consumer)
             .bind(message_id.as_uuid())
             .bind(now)
@@ -298,7 +302,7 @@ impl PgOutbox {
         if limit == 0 {
             return Ok(0);
         }
-        let done = sqlx::query(AssertSqlSafe(self.shared.sql.purge_inbox.as_str()))
+        let done = sqlx::query(AssertSqlSafe(self.shared.sql.rare().purge_inbox.as_str()))
             .bind(before.as_millis())
             .bind(to_i64(limit))
             .execute(conn)

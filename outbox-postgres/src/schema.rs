@@ -1,5 +1,7 @@
 //! Schema and table names, migrations, and the SQL text built from them.
 
+use std::sync::OnceLock;
+
 use outbox_api::activity::ActivitySql;
 use outbox_api::backend::{validate_schema_name, validate_table_name};
 use outbox_api::{Error, Result};
@@ -213,11 +215,6 @@ pub(crate) struct Sql {
     pub begin_claim: String,
     pub insert: String,
     pub insert_keyed: String,
-    pub insert_many: String,
-    pub receive: String,
-    pub purge_inbox: String,
-    pub poison_seq: String,
-    pub unlock_seq: String,
     pub complete: String,
     pub fail: String,
     pub release: String,
@@ -225,13 +222,6 @@ pub(crate) struct Sql {
     pub purge: String,
     pub count_state: String,
     pub oldest_pending: String,
-    pub list: String,
-    pub get: String,
-    pub state_of: String,
-    /// The console's activity counts (`outbox_api::activity`).
-    pub activity: ActivitySql,
-    pub retry: String,
-    pub discard: String,
     pub notify: String,
     /// The commit watcher's look (src/announce.rs): `$1` the watched
     /// transaction ids (text), `$2` whether to `NOTIFY` channel `$3` when
@@ -244,6 +234,8 @@ pub(crate) struct Sql {
     /// The floor's check (`$1` the candidate's transaction id, `$2` the
     /// lowest `seq` to look from): ready, and the lowest pending `seq`.
     pub floor_check: String,
+    /// Built on first use.
+    rare: OnceLock<Rare>,
 }
 
 /// "The message is pending", for statements that find their messages by
@@ -281,7 +273,6 @@ impl Sql {
     pub(crate) fn new(names: Names, durable_bookkeeping: bool, keep_processed: bool) -> Sql {
         let s = &names.schema;
         let t = format!(r#""{s}"."{}""#, names.outbox);
-        let i = format!(r#""{s}"."{}""#, names.inbox);
         let seed = names.key_lock_seed();
         let values = "$1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12";
         let (retries, seqs) = sequences(&names);
@@ -291,7 +282,7 @@ impl Sql {
         } else {
             (NO_FLUSH, "SET LOCAL synchronous_commit = off; ")
         };
-        Sql {
+        let mut sql = Sql {
             // A claim never waits for a row another transaction holds (it
             // skips it); the lock timeout bounds anything else in its
             // transaction, and a claim whose client went silent
@@ -332,48 +323,6 @@ impl Sql {
                    pg_advisory_xact_lock(hashtextextended($4, {seed})) AS key_lock) \
                  INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} FROM first \
                  RETURNING pg_current_xact_id()::text"
-            ),
-            // The transaction's id and every key's lock first, the locks
-            // in byte order of the keys (the order the crate docs ask of
-            // transactions that enqueue several keys one by one, so that
-            // they never deadlock with a batch), then the rows in the order
-            // given.
-            insert_many: format!(
-                "WITH key_locks AS MATERIALIZED (
-                   SELECT count(*) AS n, pg_current_xact_id() AS xid FROM (
-                     SELECT pg_advisory_xact_lock(hashtextextended(k, {seed})) FROM (
-                       SELECT DISTINCT k COLLATE \"C\" AS k
-                       FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS keys
-                   ) AS locked),
-                 inserted AS (
-                   INSERT INTO {t} ({INSERT_COLUMNS})
-                   SELECT m.id, m.kind, m.message_type, m.key, m.exchange, m.routing_key, m.payload,
-                          m.content_type, m.headers::jsonb, m.trace_parent, m.created_at, m.available_at
-                   FROM key_locks,
-                        unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
-                               $7::bytea[], $8::text[], $9::text[], $10::text[], $11::int8[], $12::int8[])
-                          WITH ORDINALITY AS m(id, kind, message_type, key, exchange, routing_key,
-                               payload, content_type, headers, trace_parent, created_at,
-                               available_at, ord)
-                   ORDER BY m.ord
-                   RETURNING 1)
-                 SELECT pg_current_xact_id()::text, (SELECT count(*) FROM inserted)"
-            ),
-            receive: format!(
-                "INSERT INTO {i} (consumer, message_id, received_at) VALUES ($1, $2, $3) \
-                 ON CONFLICT DO NOTHING"
-            ),
-            purge_inbox: format!(
-                "DELETE FROM {i} WHERE (consumer, message_id) IN (
-                   SELECT consumer, message_id FROM {i} WHERE received_at < $1
-                   ORDER BY received_at LIMIT $2)"
-            ),
-            poison_seq: format!(
-                "UPDATE {t} SET state = 'poisoned', last_error = $1, locked_by = NULL, \
-                 locked_until = NULL, failed_at = $3 WHERE seq = $2"
-            ),
-            unlock_seq: format!(
-                "UPDATE {t} SET locked_by = NULL, locked_until = NULL WHERE seq = $1"
             ),
             // One statement in its own transaction, whose commit does not
             // wait for a flush. Deleting writes no new row version: every
@@ -427,28 +376,6 @@ impl Sql {
                  WHERE state = 'pending' AND seq >= (SELECT seq FROM floor) ORDER BY seq LIMIT 1",
                 floor = floor_cte(&names, 1)
             ),
-            list: format!(
-                "SELECT {COLUMNS} FROM {t}
-                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR message_type = $2)
-                 AND ($5::text IS NULL OR substr(trace_parent, 4, 32) = $5)
-                 ORDER BY seq LIMIT $3 OFFSET $4"
-            ),
-            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
-            state_of: format!("SELECT state, last_error FROM {t} WHERE id = $1 FOR UPDATE"),
-            activity: ActivitySql::new(&t),
-            // A retried message is pending again, maybe below the claim's
-            // floor: the `_retries` sequence moves on (after the row is
-            // locked, so with this transaction's id taken), and claims stop
-            // trusting floors set before (src/floor.rs).
-            retry: format!(
-                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = $1, last_error = $2,
-                   locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = $3
-                 RETURNING nextval('{retries}')"
-            ),
-            discard: format!(
-                "UPDATE {t} SET state = 'processed', processed_at = $1, last_error = $2,
-                   locked_by = NULL, locked_until = NULL WHERE id = $3"
-            ),
             notify: "SELECT pg_notify($1, '')".to_owned(),
             look: "WITH s AS MATERIALIZED (
                      SELECT x, CASE
@@ -476,13 +403,137 @@ impl Sql {
                    CASE WHEN pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8 THEN
                      (SELECT min(seq) FROM {t} WHERE state = 'pending' AND seq >= $2) END"
             ),
+            rare: OnceLock::new(),
             names,
+        };
+        // `format!` leaves up to half of each string's buffer unused; a
+        // store keeps these for its life, one store per tenant in a fleet.
+        for text in [
+            &mut sql.begin_claim,
+            &mut sql.insert,
+            &mut sql.insert_keyed,
+            &mut sql.complete,
+            &mut sql.fail,
+            &mut sql.release,
+            &mut sql.release_worker,
+            &mut sql.purge,
+            &mut sql.count_state,
+            &mut sql.oldest_pending,
+            &mut sql.notify,
+            &mut sql.look,
+            &mut sql.floor_candidate,
+            &mut sql.floor_check,
+        ] {
+            text.shrink_to_fit();
         }
+        sql
+    }
+
+    /// The statements built on first use ([`Rare`]).
+    pub(crate) fn rare(&self) -> &Rare {
+        self.rare.get_or_init(|| Rare::new(&self.names))
     }
 
     /// The claim statement; see [`claim_sql`].
     pub(crate) fn claim(&self) -> String {
-        claim_sql(&self.names)
+        let mut claim = claim_sql(&self.names);
+        claim.shrink_to_fit();
+        claim
+    }
+}
+
+/// Statements of the operators, the inbox, batch enqueues and corrupt rows:
+/// built on first use, so that a store that never runs them (a tenant's
+/// store in a fleet's relay) does not keep their text (about 4.7 KB).
+#[derive(Debug)]
+pub(crate) struct Rare {
+    pub insert_many: String,
+    pub receive: String,
+    pub purge_inbox: String,
+    pub poison_seq: String,
+    pub unlock_seq: String,
+    pub list: String,
+    pub get: String,
+    pub state_of: String,
+    /// The console's activity counts (`outbox_api::activity`).
+    pub activity: ActivitySql,
+    pub retry: String,
+    pub discard: String,
+}
+
+impl Rare {
+    fn new(names: &Names) -> Rare {
+        let s = &names.schema;
+        let t = format!(r#""{s}"."{}""#, names.outbox);
+        let i = format!(r#""{s}"."{}""#, names.inbox);
+        let seed = names.key_lock_seed();
+        let (retries, _) = sequences(names);
+        Rare {
+            // The transaction's id and every key's lock first, the locks
+            // in byte order of the keys (the order the crate docs ask of
+            // transactions that enqueue several keys one by one, so that
+            // they never deadlock with a batch), then the rows in the order
+            // given.
+            insert_many: format!(
+                "WITH key_locks AS MATERIALIZED (
+                   SELECT count(*) AS n, pg_current_xact_id() AS xid FROM (
+                     SELECT pg_advisory_xact_lock(hashtextextended(k, {seed})) FROM (
+                       SELECT DISTINCT k COLLATE \"C\" AS k
+                       FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS keys
+                   ) AS locked),
+                 inserted AS (
+                   INSERT INTO {t} ({INSERT_COLUMNS})
+                   SELECT m.id, m.kind, m.message_type, m.key, m.exchange, m.routing_key, m.payload,
+                          m.content_type, m.headers::jsonb, m.trace_parent, m.created_at, m.available_at
+                   FROM key_locks,
+                        unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[],
+                               $7::bytea[], $8::text[], $9::text[], $10::text[], $11::int8[], $12::int8[])
+                          WITH ORDINALITY AS m(id, kind, message_type, key, exchange, routing_key,
+                               payload, content_type, headers, trace_parent, created_at,
+                               available_at, ord)
+                   ORDER BY m.ord
+                   RETURNING 1)
+                 SELECT pg_current_xact_id()::text, (SELECT count(*) FROM inserted)"
+            ),
+            receive: format!(
+                "INSERT INTO {i} (consumer, message_id, received_at) VALUES ($1, $2, $3) \
+                 ON CONFLICT DO NOTHING"
+            ),
+            purge_inbox: format!(
+                "DELETE FROM {i} WHERE (consumer, message_id) IN (
+                   SELECT consumer, message_id FROM {i} WHERE received_at < $1
+                   ORDER BY received_at LIMIT $2)"
+            ),
+            poison_seq: format!(
+                "UPDATE {t} SET state = 'poisoned', last_error = $1, locked_by = NULL, \
+                 locked_until = NULL, failed_at = $3 WHERE seq = $2"
+            ),
+            unlock_seq: format!(
+                "UPDATE {t} SET locked_by = NULL, locked_until = NULL WHERE seq = $1"
+            ),
+            list: format!(
+                "SELECT {COLUMNS} FROM {t}
+                 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR message_type = $2)
+                 AND ($5::text IS NULL OR substr(trace_parent, 4, 32) = $5)
+                 ORDER BY seq LIMIT $3 OFFSET $4"
+            ),
+            get: format!("SELECT {COLUMNS} FROM {t} WHERE id = $1"),
+            state_of: format!("SELECT state, last_error FROM {t} WHERE id = $1 FOR UPDATE"),
+            activity: ActivitySql::new(&t),
+            // A retried message is pending again, maybe below the claim's
+            // floor: the `_retries` sequence moves on (after the row is
+            // locked, so with this transaction's id taken), and claims stop
+            // trusting floors set before (src/floor.rs).
+            retry: format!(
+                "UPDATE {t} SET state = 'pending', attempts = 0, available_at = $1, last_error = $2,
+                   locked_by = NULL, locked_until = NULL, processed_at = NULL WHERE id = $3
+                 RETURNING nextval('{retries}')"
+            ),
+            discard: format!(
+                "UPDATE {t} SET state = 'processed', processed_at = $1, last_error = $2,
+                   locked_by = NULL, locked_until = NULL WHERE id = $3"
+            ),
+        }
     }
 }
 

@@ -297,7 +297,7 @@ impl PgStore {
                 let problem = format!("corrupt row: {}", d.problems.join("; "));
                 tracing::error!(table = %sql.names.outbox_display(), seq = d.seq, %problem,
                     "poisoning an undecodable outbox row");
-                sqlx::query(AssertSqlSafe(sql.poison_seq.as_str()))
+                sqlx::query(AssertSqlSafe(sql.rare().poison_seq.as_str()))
                     .bind(storable(&problem))
                     .bind(d.seq)
                     .bind(now)
@@ -305,7 +305,7 @@ impl PgStore {
                     .await?;
                 parked.extend(key);
             } else if key_parked {
-                sqlx::query(AssertSqlSafe(sql.unlock_seq.as_str()))
+                sqlx::query(AssertSqlSafe(sql.rare().unlock_seq.as_str()))
                     .bind(d.seq)
                     .execute(&mut *conn)
                     .await?;

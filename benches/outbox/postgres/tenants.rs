@@ -177,6 +177,7 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     // Memory and idle cost: every tenant registered, none writing.
     let rss_before = rss_kb();
     let stores = create_tenants(&pool, &shared, n).await;
+    let rss_stores = rss_kb();
     // The database's own background work (autovacuum of the new tables),
     // with no relay running, over a window longer than a sweep.
     let idle_window = if quick {
@@ -192,6 +193,12 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
         rss_fleet.saturating_sub(rss_before) as f64 / n as f64,
         "KB",
         "≤ 50 KB",
+    ));
+    out.push(Figure::new(
+        "tenants: … of which the store (RSS growth over the stores alone)",
+        rss_stores.saturating_sub(rss_before) as f64 / n as f64,
+        "KB",
+        "—",
     ));
     if part("idle") {
         out.extend(idle_figures(&pool, &stores, fleet, idle_window).await);
