@@ -77,10 +77,10 @@ pub struct RelayConfig {
     /// [`health`](crate::Relay::health) is asked. The other metrics are
     /// recorded as things happen.
     pub metrics_interval: Option<Duration>,
-    /// Which labels the per-message metrics carry
-    /// ([`MetricLabels::OutboxAndType`]; a [`Fleet`](crate::Fleet) sets its
-    /// own, by default [`MetricLabels::Outbox`]). See [`crate::metrics`] for
-    /// how many series each choice makes.
+    /// Which labels the per-message metrics carry (by outbox and message
+    /// type; a [`Fleet`](crate::Fleet) sets its own, by default by outbox
+    /// alone). See [`crate::metrics::MetricLabels`] for the choices and
+    /// [`crate::metrics`] for how many series each makes.
     pub metric_labels: crate::metrics::MetricLabels,
 }
 

@@ -27,8 +27,8 @@ pub mod testing;
 
 pub use builder::{DEFAULT_BUSY_TIMEOUT, DEFAULT_CHANGE_POLL, SqliteStoreBuilder};
 pub use checkpoint::DEFAULT_CHECKPOINT_PAGES;
-#[cfg(feature = "sqlx")]
 pub use files::SqliteFiles;
+#[cfg(feature = "sqlx")]
 pub use inbox::SqliteInbox;
 pub use listener::SqliteListener;
 #[cfg(feature = "sqlx")]

@@ -309,7 +309,7 @@ async fn busy_figures(
     let committed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let handled: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let t0 = Instant::now();
-    let fleet = fleet_of("busy", &stores, |i| {
+    let fleet = fleet_of("busy", stores, |i| {
         if i == 0 {
             counting_handlers(hot_done.clone())
         } else {
