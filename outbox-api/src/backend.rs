@@ -12,6 +12,8 @@
 //! * [`validate_table_name`], [`validate_schema_name`],
 //!   [`MIGRATIONS_TABLE`] — the names of outbox tables, one set of rules
 //!   valid on every store;
+//! * [`some_names`] — the first few of a list of names for an error or a
+//!   page, and how many more;
 //! * [`OUTBOX_COLUMNS`], [`RowValues`], [`decode_row`] — the outbox row of
 //!   every SQL store: its columns, a message encoded for an insert, a row
 //!   decoded back tolerating corruption (only [`RowColumns`], reading one
@@ -19,7 +21,7 @@
 
 pub use crate::error::redact_url;
 pub use crate::names::{
-    MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN, MIGRATIONS_TABLE, validate_schema_name,
+    MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN, MIGRATIONS_TABLE, some_names, validate_schema_name,
     validate_table_name,
 };
 pub use crate::purge::{purge_in_batches, rest_after};

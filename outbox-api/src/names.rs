@@ -80,6 +80,21 @@ fn validate_identifier(field: &str, what: &str, name: &str, max: usize) -> Resul
     Ok(())
 }
 
+/// The first `max` of `names`, comma-separated, then ` and N more`: how an
+/// error or a page names what there is without listing a thousand tenants.
+pub fn some_names<S: AsRef<str>>(names: &[S], max: usize) -> String {
+    let mut text = names
+        .iter()
+        .take(max)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(", ");
+    if names.len() > max {
+        text.push_str(&format!(" and {} more", names.len() - max));
+    }
+    text
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

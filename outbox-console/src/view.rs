@@ -17,19 +17,7 @@ pub(crate) const NAV_OUTBOXES: usize = 10;
 /// Most names a sentence lists before it says how many more there are.
 pub(crate) const NAMES_SHOWN: usize = 10;
 
-/// The first `max` of `names`, comma-separated, then `and N more`.
-pub(crate) fn some_names<S: AsRef<str>>(names: &[S], max: usize) -> String {
-    let mut text = names
-        .iter()
-        .take(max)
-        .map(AsRef::as_ref)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > max {
-        text.push_str(&format!(" and {} more", names.len() - max));
-    }
-    text
-}
+pub(crate) use outbox_api::backend::some_names;
 
 /// A whole page: `title`, the navigation, `body`.
 pub(crate) fn page(state: &State, title: &str, body: Markup) -> Markup {

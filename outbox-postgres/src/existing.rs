@@ -3,7 +3,7 @@
 //! for operators' tools (the `outbox` CLI), which must not leave a schema
 //! or table behind a typo. The checks are catalogue reads only.
 
-use outbox_api::backend::{OUTBOX_COLUMNS, missing_outbox_columns};
+use outbox_api::backend::{OUTBOX_COLUMNS, missing_outbox_columns, some_names};
 use outbox_api::{Error, ErrorKind, Result};
 use sqlx::PgPool;
 
@@ -68,7 +68,10 @@ async fn check_outbox_table(pool: &PgPool, schema: &str, table: &str) -> Result<
             "the database has no outbox tables at all; is this the application's database?"
                 .to_owned()
         } else {
-            format!("schemas with outbox tables: {}", some(&schemas))
+            format!(
+                "schemas with outbox tables: {}",
+                some_names(&schemas, NAMES_SHOWN)
+            )
         };
         return Err(Error::new(
             ErrorKind::NotFound,
@@ -96,7 +99,7 @@ async fn check_outbox_table(pool: &PgPool, schema: &str, table: &str) -> Result<
             .map(|(_, t)| t.as_str())
             .collect();
         let hint = if !here.is_empty() {
-            format!("its outbox tables: {}", some(&here))
+            format!("its outbox tables: {}", some_names(&here, NAMES_SHOWN))
         } else if outboxes.is_empty() {
             "the database has no outbox tables at all; is this the application's database?"
                 .to_owned()
@@ -104,7 +107,7 @@ async fn check_outbox_table(pool: &PgPool, schema: &str, table: &str) -> Result<
             let elsewhere: Vec<String> = outboxes.iter().map(|(s, t)| format!("{s}.{t}")).collect();
             format!(
                 "it has no outbox tables; other schemas do: {}",
-                some(&elsewhere)
+                some_names(&elsewhere, NAMES_SHOWN)
             )
         };
         return Err(Error::new(
@@ -134,9 +137,14 @@ async fn check_outbox_table(pool: &PgPool, schema: &str, table: &str) -> Result<
     Ok(())
 }
 
-/// Every table of the database (outside PostgreSQL's own schemas) that has
-/// all the outbox columns, as (schema, table), sorted.
-async fn outbox_tables(pool: &PgPool) -> Result<Vec<(String, String)>, sqlx::Error> {
+/// How many names an error lists before `and N more`.
+const NAMES_SHOWN: usize = 8;
+
+/// Every table of the database at `pool` (outside PostgreSQL's own
+/// schemas) that has all the outbox columns, as (schema, table), sorted:
+/// the outboxes of a database with a schema per tenant. Reads the
+/// catalogue only.
+pub async fn outbox_tables(pool: &PgPool) -> Result<Vec<(String, String)>, sqlx::Error> {
     let columns: Vec<String> = OUTBOX_COLUMNS.iter().map(|c| (*c).to_owned()).collect();
     sqlx::query_as(
         "SELECT n.nspname::text, c.relname::text
@@ -153,21 +161,6 @@ async fn outbox_tables(pool: &PgPool) -> Result<Vec<(String, String)>, sqlx::Err
     .bind(&columns)
     .fetch_all(pool)
     .await
-}
-
-/// The first few of `names`, and how many more there are.
-fn some<S: AsRef<str>>(names: &[S]) -> String {
-    const SHOWN: usize = 8;
-    let mut text = names
-        .iter()
-        .take(SHOWN)
-        .map(AsRef::as_ref)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > SHOWN {
-        text.push_str(&format!(" and {} more", names.len() - SHOWN));
-    }
-    text
 }
 
 /// `pg_class.relkind` in words.

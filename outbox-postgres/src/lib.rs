@@ -27,6 +27,7 @@ pub use builder::{
     PgStoreBuilder,
 };
 pub use error::error_kind;
+pub use existing::outbox_tables;
 pub use floor::DEFAULT_FLOOR_STEP;
 pub use inbox::PgInbox;
 pub use listener::{PgWorkListener, WakeUp};

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use outbox_api::OperatorStore;
-use outbox_api::backend::redact_url;
+use outbox_api::backend::{redact_url, some_names};
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::PgPool;
 
@@ -256,6 +256,9 @@ pub async fn open_all(target: &Target, matching: Option<&Glob>) -> Result<Found,
     }
 }
 
+/// How many names an error lists before `and N more`.
+const NAMES_SHOWN: usize = 8;
+
 /// The schemas holding an outbox table `table` whose names match.
 async fn find_schemas(
     pool: &PgPool,
@@ -271,7 +274,7 @@ async fn find_schemas(
         } else {
             format!(
                 "its outbox tables: {} (choose with --table)",
-                some_names(&tables)
+                some_names(&tables, NAMES_SHOWN)
             )
         };
         return Err(CliError::failed(format!(
@@ -285,25 +288,10 @@ async fn find_schemas(
     if matched.is_empty() {
         return Err(CliError::failed(format!(
             "no schema matching `{glob}` has an outbox table `{table}`; schemas that have one: {}",
-            some_names(&all)
+            some_names(&all, NAMES_SHOWN)
         )));
     }
     Ok(matched)
-}
-
-/// The first few of `names`, and how many more there are.
-pub fn some_names<S: AsRef<str>>(names: &[S]) -> String {
-    const SHOWN: usize = 8;
-    let mut text = names
-        .iter()
-        .take(SHOWN)
-        .map(AsRef::as_ref)
-        .collect::<Vec<_>>()
-        .join(", ");
-    if names.len() > SHOWN {
-        text.push_str(&format!(" and {} more", names.len() - SHOWN));
-    }
-    text
 }
 
 /// Checks that `name` is a table name the stores accept (clap value

@@ -73,23 +73,13 @@ pub async fn schemas_with(pool: &PgPool, table: &str) -> Result<Vec<String>, Cli
 /// Every outbox table of the database (any name), as `schema.table`,
 /// sorted: the hint when no schema holds the one asked for.
 pub async fn outbox_tables(pool: &PgPool) -> Result<Vec<String>, CliError> {
-    let columns: Vec<String> = OUTBOX_COLUMNS.iter().map(|c| (*c).to_owned()).collect();
-    sqlx::query_scalar(
-        "SELECT n.nspname::text || '.' || c.relname::text
-         FROM pg_class c
-         JOIN pg_namespace n ON n.oid = c.relnamespace
-         JOIN pg_attribute a ON a.attrelid = c.oid
-         WHERE c.relkind IN ('r', 'p')
-           AND n.nspname NOT LIKE 'pg\\_%' AND n.nspname <> 'information_schema'
-           AND a.attnum > 0 AND NOT a.attisdropped AND a.attname::text = ANY($1)
-         GROUP BY n.nspname, c.relname
-         HAVING count(*) = cardinality($1)
-         ORDER BY n.nspname COLLATE \"C\", c.relname COLLATE \"C\"",
-    )
-    .bind(&columns)
-    .fetch_all(pool)
-    .await
-    .map_err(catalogue_error)
+    let tables = outbox_postgres::outbox_tables(pool)
+        .await
+        .map_err(catalogue_error)?;
+    Ok(tables
+        .into_iter()
+        .map(|(schema, table)| format!("{schema}.{table}"))
+        .collect())
 }
 
 fn catalogue_error(e: sqlx::Error) -> CliError {
