@@ -22,9 +22,14 @@ use rusqlite::Connection;
 /// holds at most the bound open, and an idle fleet none.
 ///
 /// Such a store has no connection of its own to watch the file for commits
-/// from other processes: its relay is woken at once by commits made
-/// through its [`SqliteOutbox`](crate::SqliteOutbox) in this process, and
-/// finds other processes' commits at its next poll (a fleet's sweep). And
+/// from other processes: its relay is woken by commits made in this
+/// process — at once by the commit of a connection
+/// [attached](crate::SqliteOutbox::attach) or by
+/// [`notify`](crate::SqliteOutbox::notify), and by an enqueue's hint,
+/// looked at again 10 ms and 100 ms later for a transaction still open —
+/// and finds other processes' commits (and a transaction that commits
+/// later than that without an attached connection) at its next poll (a
+/// fleet's sweep). And
 /// it leaves WAL checkpoints to SQLite (its commits checkpoint as any
 /// connection's do; see
 /// [`checkpoint_pages`](crate::SqliteStoreBuilder::checkpoint_pages)).
