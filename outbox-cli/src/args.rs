@@ -130,15 +130,8 @@ pub enum Command {
     },
     /// Probe the outbox: exit 0 healthy, 1 degraded, 2 unhealthy.
     Health {
-        /// Degraded when the oldest pending message is older than this (units s, m, h, d).
-        #[arg(
-            long,
-            value_parser = parse_duration,
-            default_value = "5m",
-            value_name = "DURATION",
-            allow_hyphen_values = true
-        )]
-        backlog_alert: Duration,
+        #[command(flatten)]
+        alert: BacklogAlert,
     },
     /// Serve the web console for this outbox (or, with --matching, for the
     /// outboxes of many schemas) over HTTP until interrupted (Ctrl-C or
@@ -171,6 +164,13 @@ pub struct OutboxesArgs {
     /// still counts them all).
     #[arg(long)]
     pub not_healthy: bool,
+    #[command(flatten)]
+    pub alert: BacklogAlert,
+}
+
+/// `--backlog-alert`, the same for `health`, `outboxes` and `serve`.
+#[derive(Debug, Args)]
+pub struct BacklogAlert {
     /// Degraded when the oldest pending message is older than this (units s, m, h, d).
     #[arg(
         long,
@@ -203,16 +203,8 @@ pub struct ServeArgs {
         value_parser = |t: &str| Ok::<_, std::convert::Infallible>(ConsoleToken(t.to_owned()))
     )]
     pub token: Option<ConsoleToken>,
-    /// Degraded on the overview when the oldest pending message is older
-    /// than this (units s, m, h, d).
-    #[arg(
-        long,
-        value_parser = parse_duration,
-        default_value = "5m",
-        value_name = "DURATION",
-        allow_hyphen_values = true
-    )]
-    pub backlog_alert: Duration,
+    #[command(flatten)]
+    pub alert: BacklogAlert,
     /// Log lines on standard error (filtered by `RUST_LOG`, default:
     /// warnings) as text or as JSON objects, one a line.
     #[arg(long, value_enum, env = "OUTBOX_LOG_FORMAT", default_value = "text")]

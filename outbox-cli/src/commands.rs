@@ -436,7 +436,7 @@ async fn serve_console(
 ) -> Result<Output, CliError> {
     use std::io::Write as _;
     check_serve_args(args)?;
-    let mut console = console.backlog_age_alert(args.backlog_alert);
+    let mut console = console.backlog_age_alert(args.alert.backlog_alert);
     if let Some(token) = args.token() {
         console = console
             .token(token)

@@ -204,8 +204,8 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
     };
     match command {
         // A probe that cannot even tell what to read is unhealthy.
-        Command::Health { backlog_alert } => Ok(match target {
-            Ok(target) => commands::health(&target, backlog_alert, json).await,
+        Command::Health { alert } => Ok(match target {
+            Ok(target) => commands::health(&target, alert.backlog_alert, json).await,
             Err(e) => commands::unhealthy(json, e.message),
         }),
         Command::Stats => with_outbox(&target?, async |o| commands::stats(o, json).await).await,

@@ -37,7 +37,7 @@ pub async fn outboxes(
     json: bool,
 ) -> Result<Output, CliError> {
     let found = db::open_all(target, args.matching.as_ref()).await?;
-    let rows = read_all(&found.outboxes, args.backlog_alert).await;
+    let rows = read_all(&found.outboxes, args.alert.backlog_alert).await;
     let now = Timestamp::now();
     let table = match target {
         Target::Sqlite { table, .. } | Target::Postgres { table, .. } => table.as_str(),
@@ -207,7 +207,7 @@ fn as_json(rows: &[Row<'_>], table: &str, args: &OutboxesArgs, now: Timestamp) -
     to_json(&json!({
         "table": table,
         "matching": args.matching.as_ref().map(|g| g.as_str()),
-        "backlog_alert_seconds": args.backlog_alert.as_secs(),
+        "backlog_alert_seconds": args.alert.backlog_alert.as_secs(),
         "count": {
             "outboxes": rows.len(),
             "healthy": count(HealthStatus::Healthy),

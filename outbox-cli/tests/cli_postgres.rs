@@ -605,34 +605,26 @@ impl Drop for Tenants {
     /// Drops every schema whose name starts with the test's prefix (the
     /// tenants' and any the test made beside them).
     fn drop(&mut self) {
-        let url = self.url.clone();
         let prefix = self.prefix.clone();
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                use sqlx::Connection;
-                let mut conn = sqlx::PgConnection::connect(&url).await?;
+        let dropped = outbox_postgres::testing::clean_up_now(&self.url, move |conn| {
+            Box::pin(async move {
                 let schemas: Vec<String> = sqlx::query_scalar(
                     "SELECT nspname::text FROM pg_namespace WHERE starts_with(nspname, $1)",
                 )
                 .bind(&prefix)
-                .fetch_all(&mut conn)
+                .fetch_all(&mut *conn)
                 .await?;
                 for schema in &schemas {
                     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                         r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#
                     )))
-                    .execute(&mut conn)
+                    .execute(&mut *conn)
                     .await?;
                 }
-                conn.close().await
+                Ok(())
             })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
+        });
+        if !dropped {
             eprintln!("could not drop the test schemas {}*", self.prefix);
         }
     }

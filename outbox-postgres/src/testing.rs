@@ -234,37 +234,59 @@ pub fn claim_request(limit: usize) -> ClaimRequest {
     )
 }
 
+/// Runs `cleanup` on a connection of its own to `url`, from a thread of
+/// its own with a runtime of its own — for a test fixture's `Drop`, which
+/// cannot await and may run inside a runtime. Returns whether it
+/// succeeded.
+pub fn clean_up_now<F>(url: &str, cleanup: F) -> bool
+where
+    F: for<'c> FnOnce(
+            &'c mut PgConnection,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<(), sqlx::Error>> + Send + 'c>,
+        > + Send
+        + 'static,
+{
+    let url = url.to_owned();
+    let done = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            use sqlx::Connection;
+            let mut conn = PgConnection::connect(&url).await?;
+            cleanup(&mut conn).await?;
+            conn.close().await
+        })
+    })
+    .join();
+    matches!(done, Ok(Ok(())))
+}
+
 impl Drop for PgUnderTest {
-    /// Drops the schema on a connection of its own, from a thread of its
-    /// own (a drop cannot await, and may run inside a runtime).
+    /// Drops the schema (after ending the sessions of its stores, named by
+    /// it) with [`clean_up_now`].
     fn drop(&mut self) {
-        let url = self.url.clone();
         let schema = self.schema.clone();
-        let dropped = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                use sqlx::Connection;
-                let mut conn = sqlx::PgConnection::connect(&url).await?;
+        let dropped = clean_up_now(&self.url, move |conn| {
+            Box::pin(async move {
                 sqlx::query(
                     "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
                      WHERE application_name = $1 AND pid <> pg_backend_pid()",
                 )
                 .bind(&schema)
-                .execute(&mut conn)
+                .execute(&mut *conn)
                 .await?;
                 sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
                     r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#
                 )))
-                .execute(&mut conn)
+                .execute(&mut *conn)
                 .await?;
-                conn.close().await
+                Ok(())
             })
-        })
-        .join();
-        if !matches!(dropped, Ok(Ok(()))) {
+        });
+        if !dropped {
             eprintln!("could not drop test schema {}", self.schema);
         }
     }
