@@ -358,6 +358,16 @@ async fn a_fleet_of_sqlite_files_keeps_at_most_the_bound_open_and_closes_idle_on
         || async { delivered.load(Ordering::SeqCst) == tenants * each + 3 },
     )
     .await;
+    // Handled is not yet completed: wait for the completions to commit.
+    wait_until("every delivery completed", DEADLINE, || async {
+        use outbox::Store as _;
+        let mut pending = 0;
+        for store in &stores {
+            pending += store.stats().await.unwrap().pending;
+        }
+        pending == 0
+    })
+    .await;
     for store in &stores {
         use outbox::Store as _;
         let stats = store.stats().await.unwrap();
