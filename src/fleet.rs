@@ -14,6 +14,9 @@
 //! fleet.remove("tenant-42").await?;
 //! # Ok(()) }
 //! ```
+//!
+//! A fleet can also follow a register of tenants the application keeps
+//! ([`Fleet::discover`] with a [`Catalogue`]).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -25,6 +28,9 @@ use outbox_api::{Error, ErrorKind, HealthReport, HealthStatus, Result};
 use crate::metrics::MetricLabels;
 use crate::relay::{Budget, lock};
 use crate::{DrainReport, RelayBuilder, RelayHandle};
+
+mod discover;
+pub use discover::{Catalogue, Discovery, DiscoveryReport};
 
 /// One relay process for many outboxes: each outbox added is relayed by a
 /// relay of its own, with every rule of a single relay, and all of them

@@ -8,7 +8,9 @@ pub mod metrics;
 mod relay;
 
 pub use config::RelayConfig;
-pub use fleet::{DEFAULT_SWEEP, Fleet, FleetBuilder, FleetHealth};
+pub use fleet::{
+    Catalogue, DEFAULT_SWEEP, Discovery, DiscoveryReport, Fleet, FleetBuilder, FleetHealth,
+};
 pub use relay::{DrainReport, Relay, RelayBuilder, RelayHandle};
 
 // The contracts, named one by one so that the facade's surface is a

@@ -5,13 +5,14 @@
 //! inside a fleet: `relay_memory`, `relay_sqlite`, `relay_postgres`, in
 //! their `in_a_fleet` modules.)
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox::memory::MemoryStore;
 use outbox::{
-    ErrorKind, Fleet, Handlers, HealthStatus, Message, MessageKind, NewMessage, Relay,
+    Catalogue, ErrorKind, Fleet, Handlers, HealthStatus, Message, MessageKind, NewMessage, Relay,
     TemporarilyUnavailable,
 };
 use outbox_api::testing::wait_until;
@@ -245,6 +246,138 @@ async fn outboxes_join_and_leave_while_the_fleet_runs() {
 
     fleet.shutdown().await;
     assert!(fleet.is_empty());
+}
+
+/// A register of tenants for `Fleet::discover`: its reads can be made to
+/// fail, and the relays of the names in `refused` cannot be built.
+#[derive(Default)]
+struct Register {
+    stores: Mutex<BTreeMap<String, MemoryStore>>,
+    refused: Mutex<BTreeSet<String>>,
+    reads_fail: AtomicBool,
+    delivered: Arc<AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl Catalogue for Register {
+    async fn outboxes(&self) -> outbox::Result<BTreeSet<String>> {
+        if self.reads_fail.load(Ordering::SeqCst) {
+            return Err(outbox::Error::new(
+                ErrorKind::Unavailable,
+                "the register is down",
+            ));
+        }
+        Ok(self.stores.lock().unwrap().keys().cloned().collect())
+    }
+
+    async fn relay(&self, name: &str) -> outbox::Result<outbox::RelayBuilder> {
+        if self.refused.lock().unwrap().contains(name) {
+            return Err(outbox::Error::new(
+                ErrorKind::Unavailable,
+                format!("no store for `{name}` yet"),
+            ));
+        }
+        let store = self.stores.lock().unwrap()[name].clone();
+        Ok(Relay::builder(store).dispatcher(counting("T", &self.delivered, Duration::ZERO)))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_follows_a_catalogue_adding_and_removing_only_what_it_names() {
+    let register = Arc::new(Register::default());
+    let add = |name: &str, n: usize| {
+        let store = store_with("T", n);
+        register.stores.lock().unwrap().insert(name.into(), store);
+    };
+    add("a", 3);
+    add("b", 4);
+    let fleet = fleet(4, "discovery");
+    let discovery = fleet
+        .discover(Arc::clone(&register), Duration::from_secs(3600))
+        .unwrap();
+    // The first reading is at once, not after the interval.
+    wait_until(
+        "the catalogue's outboxes are added and drained",
+        DEADLINE,
+        || async {
+            fleet.outboxes() == ["a", "b"] && register.delivered.load(Ordering::SeqCst) == 7
+        },
+    )
+    .await;
+
+    // An outbox added by hand is not the catalogue's: never removed by it.
+    fleet
+        .add(
+            "by-hand",
+            Relay::builder(store_with("T", 1)).dispatcher(counting(
+                "T",
+                &register.delivered,
+                Duration::ZERO,
+            )),
+        )
+        .unwrap();
+    // A new tenant, and one whose relay cannot be built yet.
+    add("c", 2);
+    add("d", 5);
+    register.refused.lock().unwrap().insert("d".into());
+    let report = discovery.refresh().await.unwrap();
+    assert_eq!(report.added, ["c"]);
+    assert!(report.removed.is_empty(), "{report:?}");
+    assert_eq!(report.failed.len(), 1, "{report:?}");
+    assert_eq!(report.failed[0].0, "d");
+    assert!(
+        report.failed[0].1.to_string().contains("no store for `d`"),
+        "{report:?}"
+    );
+    assert_eq!(fleet.outboxes(), ["a", "b", "by-hand", "c"]);
+
+    // A failed read changes nothing, even though `a` has left meanwhile.
+    register.stores.lock().unwrap().remove("a");
+    register.reads_fail.store(true, Ordering::SeqCst);
+    let e = discovery.refresh().await.unwrap_err();
+    assert!(e.to_string().contains("the register is down"), "{e}");
+    assert_eq!(fleet.outboxes(), ["a", "b", "by-hand", "c"]);
+
+    // The next good read removes `a`, adds `d` now that it can be built,
+    // and leaves `by-hand` alone.
+    register.reads_fail.store(false, Ordering::SeqCst);
+    register.refused.lock().unwrap().clear();
+    let report = discovery.refresh().await.unwrap();
+    assert_eq!(
+        (report.added.as_slice(), report.removed.as_slice()),
+        (&["d".to_string()][..], &["a".to_string()][..])
+    );
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert_eq!(fleet.outboxes(), ["b", "by-hand", "c", "d"]);
+    fleet.until_idle().await.unwrap();
+    assert_eq!(register.delivered.load(Ordering::SeqCst), 3 + 4 + 1 + 2 + 5);
+
+    // Removed by hand while the catalogue still names it: back at the next
+    // reading; a reading with no change reports none.
+    fleet.remove("c").await.unwrap();
+    let report = discovery.refresh().await.unwrap();
+    assert_eq!(report.added, ["c"]);
+    let report = discovery.refresh().await.unwrap();
+    assert!(
+        report.added.is_empty() && report.removed.is_empty() && report.failed.is_empty(),
+        "{report:?}"
+    );
+
+    // The discovery does not keep its fleet alive: it ends with it.
+    drop(fleet);
+    let e = discovery.refresh().await.unwrap_err();
+    assert!(e.to_string().contains("its fleet is gone"), "{e}");
+}
+
+#[test]
+fn a_discovery_refuses_a_zero_interval() {
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let _entered = runtime.enter();
+    let e = fleet(1, "discovery-zero")
+        .discover(Arc::new(Register::default()), Duration::ZERO)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("discover every"), "{e}");
 }
 
 #[test]
