@@ -121,6 +121,9 @@ impl WorkListener for PgWorkListener {
         if self.take_change() {
             return true;
         }
+        if let Some(s) = &self.remote {
+            s.keep_running();
+        }
         let polling = !self.is_listening();
         let (nap, on_nap) = if polling && self.poll < timeout {
             (self.poll, true)

@@ -32,7 +32,9 @@ const RECONNECT_MAX: Duration = Duration::from_secs(5);
 /// some relay listens on it; when the connection breaks, every relay
 /// listening through it is told (to claim once and catch up) and polls
 /// until the connection is back, as with a connection of its own
-/// ([`PgWorkListener`](crate::PgWorkListener)).
+/// ([`PgWorkListener`](crate::PgWorkListener)). The connection's task runs
+/// on the runtime of the relay that first listened; if that runtime shuts
+/// down, the next relay that listens or waits starts it again on its own.
 #[derive(Clone)]
 pub struct PgSharedListener {
     inner: Arc<Inner>,
@@ -122,15 +124,8 @@ impl PgSharedListener {
     /// Subscribes to `channel`: the receiver changes on each notification
     /// on it and on each (re)connection. `None` outside a tokio runtime.
     pub(crate) fn subscribe(&self, channel: &str) -> Option<Subscription> {
-        let rt = tokio::runtime::Handle::try_current().ok()?;
-        {
-            let mut task = lock(&self.inner.task);
-            if task.is_none() {
-                *task = Some(rt.spawn(listen_loop(
-                    self.inner.options.clone(),
-                    Arc::clone(&self.inner.registry),
-                )));
-            }
+        if !self.keep_running() {
+            return None;
         }
         let changes = {
             let mut channels = lock(&self.inner.registry.channels);
@@ -153,6 +148,36 @@ impl PgSharedListener {
     }
 }
 
+impl PgSharedListener {
+    /// Starts the connection's task on the current runtime unless it runs:
+    /// at the first subscription, and again after the runtime it ran on
+    /// shut down (an application that built its first relays on a runtime
+    /// it then dropped), so that the relays of a later runtime listen
+    /// instead of only polling. False outside a tokio runtime.
+    fn keep_running(&self) -> bool {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let mut task = lock(&self.inner.task);
+        if task.as_ref().is_some_and(|t| !t.is_finished()) {
+            return true;
+        }
+        if task.is_some() {
+            // Nothing is listened to now, and what was sent meanwhile was
+            // missed: the relays still subscribed claim once.
+            tracing::warn!(
+                "outbox listener's task had ended (its runtime shut down); starting it again on this runtime"
+            );
+            self.inner.registry.lost();
+        }
+        *task = Some(rt.spawn(listen_loop(
+            self.inner.options.clone(),
+            Arc::clone(&self.inner.registry),
+        )));
+        true
+    }
+}
+
 /// One relay's interest in one channel; dropping it gives it up.
 pub(crate) struct Subscription {
     shared: PgSharedListener,
@@ -161,6 +186,12 @@ pub(crate) struct Subscription {
 }
 
 impl Subscription {
+    /// Starts the shared connection's task again if it has ended (see
+    /// [`PgSharedListener::keep_running`]).
+    pub(crate) fn keep_running(&self) {
+        self.shared.keep_running();
+    }
+
     /// Whether its channel is listened to on a connection that is up.
     pub(crate) fn is_listening(&self) -> bool {
         let registry = &self.shared.inner.registry;

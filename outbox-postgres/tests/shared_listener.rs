@@ -138,6 +138,76 @@ async fn outboxes_of_many_schemas_share_one_listen_connection_and_a_commit_wakes
     assert!(!listeners[1].wait(Duration::ZERO).await);
 }
 
+/// The shared listener's task runs on the runtime of the first relay that
+/// listened. When that runtime shuts down (an application that set its
+/// first relays up on a runtime it then dropped), the relays of a later
+/// runtime start it again instead of only polling.
+#[test]
+fn a_listener_whose_runtime_shut_down_starts_again_for_the_next_one() {
+    let name = format!("shared-listener-rt-{}", std::process::id());
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let (shared, fixture) = first.block_on(async {
+        let pool = named_pool(&name).await;
+        let shared = PgSharedListener::new(&pool);
+        let fixture = PgUnderTest::fresh_with(None, |b| {
+            b.listen_through(&shared)
+                .poll_interval(Duration::from_secs(3600))
+        })
+        .await;
+        let mut listener = fixture.pg().listen();
+        assert!(listener.wait(DEADLINE).await, "a first catch-up report");
+        listens(&pool, &name).await;
+        (shared, fixture)
+    });
+    drop(first);
+
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        // A store of this runtime on the same table, through the same
+        // shared listener (the first runtime's pools are gone with it).
+        let store = PgStore::builder(fixture.url())
+            .schema(fixture.schema())
+            .table("test_outbox")
+            .inbox_table("test_inbox")
+            .max_connections(1)
+            .listen_through(&shared)
+            .poll_interval(Duration::from_secs(3600))
+            .connect()
+            .await
+            .unwrap();
+        let mut listener = store.listen();
+        assert!(listener.wait(DEADLINE).await, "a first catch-up report");
+        wait_until("the shared connection listens again", DEADLINE, || {
+            let up = shared.is_listening();
+            async move { up }
+        })
+        .await;
+        while listener.wait(Duration::from_millis(50)).await {}
+        let other = PgStore::builder(fixture.url())
+            .schema(fixture.schema())
+            .table("test_outbox")
+            .inbox_table("test_inbox")
+            .max_connections(1)
+            .connect()
+            .await
+            .unwrap();
+        let mut tx = other.pool().begin().await.unwrap();
+        other
+            .outbox()
+            .enqueue(
+                &mut tx,
+                NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert!(
+            listener.wait(DEADLINE).await,
+            "another process's commit wakes the later runtime's listener (its poll is an hour)"
+        );
+    });
+}
+
 #[tokio::test]
 async fn a_store_that_only_polls_refuses_a_shared_listener() {
     let pool = PgPoolOptions::new()
