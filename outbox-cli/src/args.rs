@@ -213,9 +213,21 @@ pub struct ServeArgs {
     /// matches this pattern (`*` any run of characters, `?` one, e.g.
     /// `tenant_*`) and holds an outbox table named --table, each under the
     /// schema's name, over one shared pool. Instead of --schema; the
-    /// schemas are found when the console starts.
+    /// schemas are found when the console starts, and again every
+    /// --refresh while it runs.
     #[arg(long, value_name = "GLOB", value_parser = Glob::parse)]
     pub matching: Option<Glob>,
+    /// With --matching: look for matching schemas again this often (units
+    /// s, m, h, d; at least 1s): a tenant's new schema shows on the
+    /// console, a dropped one leaves it. A failed look changes nothing.
+    #[arg(
+        long,
+        value_parser = parse_duration,
+        default_value = "30s",
+        value_name = "DURATION",
+        requires = "matching"
+    )]
+    pub refresh: Duration,
 }
 
 /// How `outbox serve` writes its log lines.

@@ -365,6 +365,11 @@ pub fn check_serve_args(args: &ServeArgs) -> Result<(), CliError> {
             outbox_console::TOKEN_ENV
         )));
     }
+    if args.matching.is_some() && args.refresh.is_zero() {
+        return Err(CliError::usage(
+            "--refresh 0s would look for schemas without pause: give at least 1s",
+        ));
+    }
     Ok(())
 }
 
@@ -420,10 +425,76 @@ pub async fn serve_many(
         )));
     }
     let what = format!(
-        "{shown} outbox{} (schemas matching `{matching}` with a table `{table}`)",
-        if shown == 1 { "" } else { "es" }
+        "{shown} outbox{} (schemas matching `{matching}` with a table `{table}`, looked for again every {} s)",
+        if shown == 1 { "" } else { "es" },
+        args.refresh.as_secs()
     );
-    serve_console(console, &what, args).await
+    let following = found.pool().map(|pool| {
+        tokio::spawn(follow_schemas(
+            console.outbox_list(),
+            pool.clone(),
+            table.to_owned(),
+            matching.clone(),
+            args.refresh,
+        ))
+    });
+    let output = serve_console(console, &what, args).await;
+    if let Some(task) = following {
+        task.abort();
+    }
+    output
+}
+
+/// Looks for the schemas matching `matching` every `every` while the
+/// console serves: a new one is added to `list`, one gone is removed. A
+/// failed look changes nothing; a schema that cannot be shown is warned of
+/// once.
+async fn follow_schemas(
+    list: outbox_console::OutboxList,
+    pool: outbox_postgres::sqlx::PgPool,
+    table: String,
+    matching: Glob,
+    every: Duration,
+) {
+    let mut refused: std::collections::HashSet<String> = Default::default();
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is at once: the console starts with what was found.
+    ticks.tick().await;
+    loop {
+        ticks.tick().await;
+        let now = match db::schemas_matching(&pool, &table, &matching).await {
+            Ok(now) => now,
+            Err(e) => {
+                tracing::warn!(error = %render::one_line(&e.message),
+                    "looking for schemas matching `{matching}` again failed; the console shows the ones it had");
+                continue;
+            }
+        };
+        let shown = list.names();
+        for gone in shown.iter().filter(|name| !now.contains(name)) {
+            list.remove(gone);
+            tracing::info!(schema = %gone, "schema gone: removed from the console");
+        }
+        refused.retain(|name| now.contains(name));
+        for new in now.iter().filter(|name| !shown.contains(name)) {
+            if refused.contains(new) {
+                continue;
+            }
+            let added = match db::open_schema(&pool, new, &table).await {
+                Ok(store) => list.add(new.clone(), store).map_err(|e| e.to_string()),
+                Err(why) => Err(why),
+            };
+            match added {
+                Ok(()) => tracing::info!(schema = %new, "new schema: added to the console"),
+                Err(why) => {
+                    tracing::warn!(schema = %render::one_line(new), error = %render::one_line(&why),
+                        "a schema is left out of the console");
+                    refused.insert(new.clone());
+                }
+            }
+        }
+    }
 }
 
 /// Serves `console` (describing it as `what`) until Ctrl-C or SIGTERM.

@@ -16,7 +16,7 @@
 //!   purge --older-than 7d
 //!   health [--backlog-alert 5m]
 //!   serve [--listen 127.0.0.1:8089] [--token T]   the web console (outbox-console)
-//!   serve --matching GLOB [...]            PostgreSQL: the console over many schemas' outboxes
+//!   serve --matching GLOB [--refresh 30s]  PostgreSQL: the console over many schemas' outboxes
 //!   outboxes [--matching GLOB] [--not-healthy] [--backlog-alert 5m]
 //!                                          every schema's outbox with its health
 //! ```

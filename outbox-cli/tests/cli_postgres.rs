@@ -900,7 +900,8 @@ async fn postgres_serve_matching_shows_every_matching_schema() {
         .env_remove("OUTBOX_SCHEMA")
         .env_remove("OUTBOX_CONSOLE_TOKEN")
         .args(["--db", &t.url, "--table", TABLE])
-        .args(["serve", "--listen", "127.0.0.1:0", "--matching", &glob]);
+        .args(["serve", "--listen", "127.0.0.1:0", "--matching", &glob])
+        .args(["--refresh", "1s"]);
     let server = common::start(cmd);
     let host = server.addr.to_string();
 
@@ -925,6 +926,34 @@ async fn postgres_serve_matching_shows_every_matching_schema() {
     );
     assert_eq!(status, 200, "{body}");
     assert!(body.contains(&poisoned.to_string()), "{body}");
+
+    // While it serves, a tenant's new schema shows and a dropped one leaves
+    // (it looks again every --refresh).
+    let c = format!("{}_c", t.prefix);
+    let _store_c = t.migrated(&c).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(r#"DROP SCHEMA "{a}" CASCADE"#)))
+        .execute(t.stores[1].pool())
+        .await
+        .unwrap();
+    wait_for(
+        "the console shows the new schema and not the dropped one",
+        Duration::from_secs(30),
+        async || {
+            let (status, body) = common::get(server.addr, &host, "/", None);
+            status == 200
+                && body.contains(&format!(">{c}</a>"))
+                && !body.contains(&format!(">{a}</a>"))
+                && body.contains("2 outboxes:")
+        },
+    )
+    .await;
+    let (status, _) = common::get(
+        server.addr,
+        &host,
+        &format!("/{a}/messages?state=pending"),
+        None,
+    );
+    assert_eq!(status, 404, "a dropped schema's pages are gone");
 
     // With --schema too, or matching nothing: refused, nothing served.
     let out = outbox_db(
@@ -951,4 +980,9 @@ async fn postgres_serve_matching_shows_every_matching_schema() {
         ],
     );
     assert_error(&out, 1, "no schema matching");
+    // --refresh needs --matching, and a pause.
+    let out = outbox_db(&t.url, &["--schema", a, "serve", "--refresh", "5s"]);
+    assert_error(&out, 2, "--matching");
+    let out = outbox_db(&t.url, &["serve", "--matching", &glob, "--refresh", "0s"]);
+    assert_error(&out, 2, "at least 1s");
 }

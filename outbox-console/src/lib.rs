@@ -54,7 +54,7 @@ mod view;
 use std::fmt;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -129,12 +129,117 @@ pub(crate) struct Outbox {
     pub(crate) health: Option<HealthFn>,
 }
 
+/// The outboxes a console shows, which may change while it serves
+/// ([`Console::outbox_list`]): each page reads the list as it is when the
+/// request comes. Clones share the list.
+#[derive(Clone, Default)]
+pub struct OutboxList {
+    inner: Arc<RwLock<Arc<Vec<Outbox>>>>,
+}
+
+impl fmt::Debug for OutboxList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl OutboxList {
+    /// Adds an outbox, as [`Console::outbox`] does: refused, changing
+    /// nothing, if its name is not valid, is reserved or is in the list.
+    pub fn add(
+        &self,
+        name: impl Into<String>,
+        store: Arc<dyn OperatorStore>,
+    ) -> Result<(), ConsoleError> {
+        self.push(name.into(), store, None)
+    }
+
+    /// Adds an outbox with a health report, as
+    /// [`Console::outbox_with_health`] does.
+    pub fn add_with_health<F, Fut>(
+        &self,
+        name: impl Into<String>,
+        store: Arc<dyn OperatorStore>,
+        health: F,
+    ) -> Result<(), ConsoleError>
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = HealthReport> + Send + 'static,
+    {
+        let health: HealthFn = Arc::new(move || Box::pin(health()));
+        self.push(name.into(), store, Some(health))
+    }
+
+    /// Removes the outbox `name`; false if the list has none of that name.
+    pub fn remove(&self, name: &str) -> bool {
+        let mut list = self.write();
+        if !list.iter().any(|o| o.name == name) {
+            return false;
+        }
+        let kept: Vec<Outbox> = list.iter().filter(|o| o.name != name).cloned().collect();
+        *list = Arc::new(kept);
+        true
+    }
+
+    /// The outboxes' names, in the order they were added.
+    pub fn names(&self) -> Vec<String> {
+        self.snapshot().iter().map(|o| o.name.clone()).collect()
+    }
+
+    /// The list as it is now (what one page reads).
+    pub(crate) fn snapshot(&self) -> Arc<Vec<Outbox>> {
+        Arc::clone(&self.inner.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, Arc<Vec<Outbox>>> {
+        self.inner.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(
+        &self,
+        name: String,
+        store: Arc<dyn OperatorStore>,
+        health: Option<HealthFn>,
+    ) -> Result<(), ConsoleError> {
+        let valid = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+        if !valid {
+            return Err(ConsoleError::Config(format!(
+                "outbox name {name:?} is not valid: use 1 to 64 letters, digits, `-` or `_`"
+            )));
+        }
+        if RESERVED_NAMES.contains(&name.as_str()) {
+            return Err(ConsoleError::Config(format!(
+                "outbox name `{name}` is reserved for the console's own pages; choose another"
+            )));
+        }
+        let mut list = self.write();
+        if list.iter().any(|o| o.name == name) {
+            return Err(ConsoleError::Config(format!(
+                "outbox name `{name}` is given twice"
+            )));
+        }
+        Arc::make_mut(&mut list).push(Outbox {
+            name,
+            store,
+            health,
+        });
+        Ok(())
+    }
+}
+
 /// The console's configuration: which outboxes it shows, under which path,
 /// and whether it asks for a token. Build it, then hand it to [`router`] or
 /// [`serve`].
+///
+/// Its outboxes can change while it serves (a tenant created or deleted):
+/// see [`Console::outbox_list`]. Clones of a console share that list.
 #[derive(Clone)]
 pub struct Console {
-    pub(crate) outboxes: Vec<Outbox>,
+    pub(crate) outboxes: OutboxList,
     pub(crate) token: Option<String>,
     pub(crate) prefix: String,
     pub(crate) backlog_age_alert: Duration,
@@ -145,10 +250,7 @@ pub struct Console {
 impl fmt::Debug for Console {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Console")
-            .field(
-                "outboxes",
-                &self.outboxes.iter().map(|o| &o.name).collect::<Vec<_>>(),
-            )
+            .field("outboxes", &self.outboxes.names())
             .field("token", &self.token.as_ref().map(|_| "<redacted>"))
             .field("prefix", &self.prefix)
             .field("backlog_age_alert", &self.backlog_age_alert)
@@ -171,7 +273,7 @@ impl Console {
     /// A console with no outbox, no token, mounted at `/`.
     pub fn new() -> Self {
         Console {
-            outboxes: Vec::new(),
+            outboxes: OutboxList::default(),
             token: None,
             prefix: String::new(),
             backlog_age_alert: Duration::from_secs(300),
@@ -186,16 +288,11 @@ impl Console {
     /// [`outbox_with_health`](Console::outbox_with_health) to show the
     /// relay's own report.
     pub fn outbox(
-        mut self,
+        self,
         name: impl Into<String>,
         store: Arc<dyn OperatorStore>,
     ) -> Result<Self, ConsoleError> {
-        let name = self.checked_name(name.into())?;
-        self.outboxes.push(Outbox {
-            name,
-            store,
-            health: None,
-        });
+        self.outboxes.add(name, store)?;
         Ok(self)
     }
 
@@ -203,7 +300,7 @@ impl Console {
     /// running relay's `RelayHandle::health`), which also knows whether the
     /// relay runs and whether its transport is up.
     pub fn outbox_with_health<F, Fut>(
-        mut self,
+        self,
         name: impl Into<String>,
         store: Arc<dyn OperatorStore>,
         health: F,
@@ -212,38 +309,16 @@ impl Console {
         F: Fn() -> Fut + Send + Sync + 'static,
         Fut: Future<Output = HealthReport> + Send + 'static,
     {
-        let name = self.checked_name(name.into())?;
-        let health: HealthFn = Arc::new(move || Box::pin(health()));
-        self.outboxes.push(Outbox {
-            name,
-            store,
-            health: Some(health),
-        });
+        self.outboxes.add_with_health(name, store, health)?;
         Ok(self)
     }
 
-    fn checked_name(&self, name: String) -> Result<String, ConsoleError> {
-        let valid = !name.is_empty()
-            && name.len() <= 64
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-        if !valid {
-            return Err(ConsoleError::Config(format!(
-                "outbox name {name:?} is not valid: use 1 to 64 letters, digits, `-` or `_`"
-            )));
-        }
-        if RESERVED_NAMES.contains(&name.as_str()) {
-            return Err(ConsoleError::Config(format!(
-                "outbox name `{name}` is reserved for the console's own pages; choose another"
-            )));
-        }
-        if self.outboxes.iter().any(|o| o.name == name) {
-            return Err(ConsoleError::Config(format!(
-                "outbox name `{name}` is given twice"
-            )));
-        }
-        Ok(name)
+    /// The console's list of outboxes, to change while it serves: an
+    /// outbox added to it shows on the next page loaded, one removed is
+    /// gone from it (a page of it answers 404). The same list as the
+    /// console's and its clones', and the router's it is handed to.
+    pub fn outbox_list(&self) -> OutboxList {
+        self.outboxes.clone()
     }
 
     /// Requires `token` on every request (at least [`MIN_TOKEN_LEN`] bytes;

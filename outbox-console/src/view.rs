@@ -35,14 +35,15 @@ pub(crate) fn page(state: &State, title: &str, body: Markup) -> Markup {
                 header {
                     nav {
                         a.brand href=(state.home()) { "outbox console" }
-                        @if state.outboxes.len() <= NAV_OUTBOXES {
-                            @for o in &state.outboxes {
+                        @let outboxes = state.outboxes();
+                        @if outboxes.len() <= NAV_OUTBOXES {
+                            @for o in outboxes.iter() {
                                 " "
                                 a href=(state.list_url(&o.name, "poisoned", None, 1)) { (o.name) }
                             }
                         } @else {
                             " "
-                            a href=(state.home()) { (state.outboxes.len()) " outboxes" }
+                            a href=(state.home()) { (outboxes.len()) " outboxes" }
                         }
                     }
                     @if state.keys.token_required() {

@@ -928,6 +928,55 @@ async fn several_outboxes_side_by_side() {
     );
 }
 
+/// The console's list of outboxes changes while it serves (a tenant
+/// created or deleted): the next page shows it, and a removed outbox's
+/// pages answer 404; the list's own rules hold for an outbox added late.
+#[tokio::test]
+async fn outboxes_added_and_removed_while_serving_show_on_the_next_page() {
+    let (a, b) = (Backend::memory().await, Backend::sqlite().await);
+    let in_b = b.enqueue(vec![domain("B", "{}")]).await[0];
+    let console = Console::new().outbox("orders", a.store()).unwrap();
+    let list = console.outbox_list();
+    let app = router(console);
+    let page = get(&app, "/").await;
+    assert!(!page.body.contains("billing"), "{}", page.body);
+    assert_eq!(
+        get(&app, &format!("/billing/messages/{in_b}")).await.status,
+        StatusCode::NOT_FOUND
+    );
+
+    list.add("billing", b.store()).unwrap();
+    assert_eq!(list.names(), ["orders", "billing"]);
+    let page = get(&app, "/").await;
+    assert!(page.body.contains("billing"), "{}", page.body);
+    assert!(page.body.contains("2 outboxes"), "{}", page.body);
+    assert_eq!(
+        get(&app, &format!("/billing/messages/{in_b}")).await.status,
+        StatusCode::OK
+    );
+    let e = list.add("billing", b.store()).unwrap_err();
+    assert!(e.to_string().contains("given twice"), "{e}");
+    assert!(matches!(
+        list.add("login", b.store()),
+        Err(ConsoleError::Config(_))
+    ));
+
+    assert!(list.remove("orders"));
+    assert!(!list.remove("orders"), "removed once");
+    let page = get(&app, "/").await;
+    assert!(page.body.contains("1 outbox: "), "{}", page.body);
+    let gone = get(&app, "/orders/messages?state=pending").await;
+    assert_eq!(gone.status, StatusCode::NOT_FOUND);
+    assert!(
+        gone.body.contains("billing"),
+        "names what it shows: {}",
+        gone.body
+    );
+    assert!(list.remove("billing"));
+    let page = get(&app, "/").await;
+    assert!(page.body.contains("shows no outbox"), "{}", page.body);
+}
+
 /// The saga view: from a message's trace id, every message of that trace
 /// in every outbox (memory and SQLite side by side), in commit order, with
 /// state and attempts; nothing of another trace; a bad id is a 400.

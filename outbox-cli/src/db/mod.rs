@@ -191,6 +191,14 @@ enum Closing {
 }
 
 impl Found {
+    /// The pool they were found on (PostgreSQL), to look again.
+    pub fn pool(&self) -> Option<&PgPool> {
+        match &self.closing {
+            Closing::Postgres(pool) => Some(pool),
+            Closing::Sqlite(_) => None,
+        }
+    }
+
     /// Closes the connections (PostgreSQL: politely, the one shared pool).
     pub async fn close(self) {
         match self.closing {
@@ -232,11 +240,7 @@ pub async fn open_all(target: &Target, matching: Option<&Glob>) -> Result<Found,
                 Ok(schemas) => {
                     let mut outboxes = Vec::with_capacity(schemas.len());
                     for schema in schemas {
-                        // No statement: the names are checked, the table was found.
-                        let store = postgres::on_pool(&pool, &schema, table)
-                            .await
-                            .map(|s| Arc::new(s) as Arc<dyn OperatorStore>)
-                            .map_err(|e| e.message);
+                        let store = open_schema(&pool, &schema, table).await;
                         outboxes.push(Entry {
                             name: schema,
                             store,
@@ -254,6 +258,31 @@ pub async fn open_all(target: &Target, matching: Option<&Glob>) -> Result<Found,
             }
         }
     }
+}
+
+/// Opens the outbox table `table` of `schema` on `pool` (no statement: the
+/// names are checked, the table was found), or says why it cannot.
+pub async fn open_schema(
+    pool: &PgPool,
+    schema: &str,
+    table: &str,
+) -> Result<Arc<dyn OperatorStore>, String> {
+    postgres::on_pool(pool, schema, table)
+        .await
+        .map(|s| Arc::new(s) as Arc<dyn OperatorStore>)
+        .map_err(|e| e.message)
+}
+
+/// The schemas holding an outbox table `table` whose names match `glob`
+/// now; none is no error (`serve --matching` looks again while it runs,
+/// and every tenant may have gone).
+pub async fn schemas_matching(
+    pool: &PgPool,
+    table: &str,
+    glob: &Glob,
+) -> Result<Vec<String>, CliError> {
+    let all = postgres::schemas_with(pool, table).await?;
+    Ok(all.into_iter().filter(|s| glob.matches(s)).collect())
 }
 
 /// How many names an error lists before `and N more`.

@@ -47,7 +47,7 @@ pub(crate) async fn confirm_one(
     p: Result<Path<(String, String, String)>, PathRejection>,
 ) -> Page {
     let (name, id, action) = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let action = parse_action(&st, &action)?;
     let id = parse_id(&st, &id)?;
     let m = fetch(&st, o, id).await?;
@@ -94,7 +94,7 @@ pub(crate) async fn act_one(
     body: Bytes,
 ) -> Page {
     let (name, id_text, action) = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let action = parse_action(&st, &action)?;
     let id = parse_id(&st, &id_text)?;
     let f = form(&body);
@@ -172,7 +172,7 @@ pub(crate) async fn confirm_bulk(
     RawQuery(q): RawQuery,
 ) -> Page {
     let (name, action) = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let action = parse_action(&st, &action)?;
     let ty = bulk_type(&st, &params(q.as_deref()))?;
     let (ids, more) = poisoned_of_type(&st, o, &ty).await?;
@@ -211,7 +211,7 @@ pub(crate) async fn act_bulk(
     body: Bytes,
 ) -> Page {
     let (name, action) = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let action = parse_action(&st, &action)?;
     let f = form(&body);
     let ty = bulk_type(&st, &f)?;

@@ -27,7 +27,8 @@ pub(crate) async fn trace(S(st): S<Arc<State>>, p: Result<Path<String>, PathReje
         .trace_id(trace_id.clone())
         .limit(MAX_TRACED + 1);
     // A few outboxes at a time: a console may show a thousand.
-    let found = each_bounded(st.read_concurrency, &st.outboxes, |o| {
+    let outboxes = st.outboxes();
+    let found = each_bounded(st.read_concurrency, outboxes.iter(), |o| {
         let query = &query;
         async move { (o, o.store.list(query).await) }
     })
@@ -47,8 +48,8 @@ pub(crate) async fn trace(S(st): S<Arc<State>>, p: Result<Path<String>, PathReje
     let body = html! {
         h1 { "Trace " code { (trace_id) } }
         p.note {
-            "Every message of this trace in " (st.outboxes.len()) " outbox"
-            @if st.outboxes.len() != 1 { "es" }
+            "Every message of this trace in " (outboxes.len()) " outbox"
+            @if outboxes.len() != 1 { "es" }
             ", in the order they were committed. A processed message is gone once retention purges it."
         }
         @if !cut.is_empty() {
@@ -101,7 +102,7 @@ pub(crate) async fn trace(S(st): S<Arc<State>>, p: Result<Path<String>, PathReje
 /// charts.
 pub(crate) async fn activity(S(st): S<Arc<State>>, p: Result<Path<String>, PathRejection>) -> Page {
     let name = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let now = Timestamp::now();
     // The window ends just after now: what happened this millisecond counts.
     let until = now.saturating_add(Duration::from_millis(1));

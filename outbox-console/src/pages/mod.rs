@@ -21,7 +21,7 @@ use outbox_api::{
 
 use crate::security::Keys;
 use crate::view::{self, error_page, page, respond};
-use crate::{Console, Outbox, SESSION_COOKIE};
+use crate::{Console, Outbox, OutboxList, SESSION_COOKIE};
 
 mod actions;
 mod history;
@@ -40,7 +40,8 @@ pub(crate) const BULK_MAX: usize = 10_000;
 
 /// What the handlers share.
 pub(crate) struct State {
-    pub(crate) outboxes: Vec<Outbox>,
+    /// Read through [`State::outboxes`]: it may change while serving.
+    outbox_list: OutboxList,
     pub(crate) prefix: String,
     pub(crate) keys: Keys,
     backlog_age_alert: Duration,
@@ -54,7 +55,7 @@ impl State {
     pub(crate) fn new(console: Console) -> Self {
         State {
             keys: Keys::new(console.token.as_deref()),
-            outboxes: console.outboxes,
+            outbox_list: console.outboxes,
             prefix: console.prefix,
             backlog_age_alert: console.backlog_age_alert,
             page_size: console.page_size,
@@ -71,12 +72,19 @@ impl State {
         }
     }
 
-    fn outbox(&self, name: &str) -> Result<&Outbox, Response> {
-        self.outboxes
+    /// The outboxes shown now (one page reads one such list).
+    pub(crate) fn outboxes(&self) -> Arc<Vec<Outbox>> {
+        self.outbox_list.snapshot()
+    }
+
+    fn outbox(&self, name: &str) -> Result<Outbox, Response> {
+        let outboxes = self.outboxes();
+        outboxes
             .iter()
             .find(|o| o.name == name)
+            .cloned()
             .ok_or_else(|| {
-                let known: Vec<&str> = self.outboxes.iter().map(|o| o.name.as_str()).collect();
+                let known: Vec<&str> = outboxes.iter().map(|o| o.name.as_str()).collect();
                 error_page(
                     self,
                     StatusCode::NOT_FOUND,
@@ -307,7 +315,7 @@ pub(crate) async fn list(
     RawQuery(q): RawQuery,
 ) -> Page {
     let name = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let ps = params(q.as_deref());
     let state: MessageState = param(&ps, "state")
         .unwrap_or("poisoned")
@@ -431,7 +439,7 @@ pub(crate) async fn detail(
     RawQuery(q): RawQuery,
 ) -> Page {
     let (name, id) = path(&st, p)?;
-    let o = st.outbox(&name)?;
+    let o = &st.outbox(&name)?;
     let id = parse_id(&st, &id)?;
     let m = fetch(&st, o, id).await?;
     let ps = params(q.as_deref());

@@ -225,7 +225,8 @@ pub(crate) async fn overview(S(st): S<Arc<State>>, RawQuery(raw): RawQuery) -> P
 
     // Every outbox's status, a few at a time: the counts on top are of all.
     let alert = st.backlog_age_alert;
-    let judged = each_bounded(st.read_concurrency, &st.outboxes, |o| judge(o, alert)).await;
+    let outboxes = st.outboxes();
+    let judged = each_bounded(st.read_concurrency, outboxes.iter(), |o| judge(o, alert)).await;
     let needle = q.map(str::to_ascii_lowercase);
     let matching: Vec<&Judged<'_>> = judged
         .iter()
@@ -265,11 +266,11 @@ pub(crate) async fn overview(S(st): S<Arc<State>>, RawQuery(raw): RawQuery) -> P
     let tallies = tally(&judged);
     let body = html! {
         h1 { "Overview" }
-        @if st.outboxes.is_empty() {
-            p.note { "This console was started without an outbox." }
+        @if outboxes.is_empty() {
+            p.note { "This console shows no outbox (it was started without one, or every one was removed)." }
         } @else {
             p.summary {
-                (st.outboxes.len()) @if st.outboxes.len() == 1 { " outbox: " } @else { " outboxes: " }
+                (outboxes.len()) @if outboxes.len() == 1 { " outbox: " } @else { " outboxes: " }
                 @for (i, t) in tallies.iter().enumerate() {
                     @if i > 0 { ", " }
                     a href=(overview_url(&st, None, StatusFilter::Only(t.status), 1)) {
