@@ -38,7 +38,8 @@ async fn commit_elsewhere(f: &PgUnderTest) -> PgStore {
         .connect()
         .await
         .expect("a second store on the same table");
-    let mut tx = f.pool().begin().await.unwrap();
+    // On the second store's pool: `f`'s may belong to a runtime gone.
+    let mut tx = other.pool().begin().await.unwrap();
     other
         .outbox()
         .enqueue(
@@ -183,24 +184,7 @@ fn a_listener_whose_runtime_shut_down_starts_again_for_the_next_one() {
         })
         .await;
         while listener.wait(Duration::from_millis(50)).await {}
-        let other = PgStore::builder(fixture.url())
-            .schema(fixture.schema())
-            .table("test_outbox")
-            .inbox_table("test_inbox")
-            .max_connections(1)
-            .connect()
-            .await
-            .unwrap();
-        let mut tx = other.pool().begin().await.unwrap();
-        other
-            .outbox()
-            .enqueue(
-                &mut tx,
-                NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
-            )
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
+        let _announcing = commit_elsewhere(&fixture).await;
         assert!(
             listener.wait(DEADLINE).await,
             "another process's commit wakes the later runtime's listener (its poll is an hour)"
