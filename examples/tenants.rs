@@ -12,8 +12,10 @@
 //! `InvoiceIssued` message in its tenant's outbox, committed in one
 //! transaction; the fleet's handler for that tenant marks the invoice sent,
 //! in the tenant's own database. Invoices are spread over the tenants at
-//! random. While they are relayed a tenant joins the fleet and another
-//! leaves it (its invoices wait in its store until it is added again). At
+//! random. The fleet follows the application's register of tenants
+//! ([`Fleet::discover`]): while invoices are relayed a tenant signs up and
+//! joins the fleet, and another is suspended and leaves it (its invoices
+//! wait in its store until it is signed up again). At
 //! the end the example checks that every invoice was sent exactly once,
 //! prints what the fleet cost (connections on PostgreSQL, files open on
 //! SQLite) and exits 1 if anything is missing.
@@ -23,11 +25,12 @@
 //! demand, at most 16 at once, and closed when idle ([`SqliteFiles`]). Its
 //! schemas (`tenants_example_<pid>_<i>`) or files are dropped at the end.
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox::{Fleet, Handlers, Message, MessageKind, NewMessage, Relay, RelayBuilder};
+use outbox::{Catalogue, Fleet, Handlers, Message, MessageKind, NewMessage, Relay, RelayBuilder};
 use outbox_postgres::sqlx::postgres::PgPoolOptions;
 use outbox_postgres::sqlx::{self, AssertSqlSafe, PgPool};
 use outbox_postgres::{PgSharedListener, PgStore};
@@ -188,6 +191,41 @@ impl TenantDb {
     }
 }
 
+/// The application's register of tenants, which the fleet follows
+/// ([`Catalogue`]): a tenant signed up is relayed as `tenant-<i>`.
+struct Register {
+    tenants: Arc<Vec<TenantDb>>,
+    signed_up: Mutex<BTreeSet<usize>>,
+    sent: Arc<AtomicU64>,
+}
+
+impl Register {
+    fn sign_up(&self, i: usize) {
+        self.signed_up.lock().unwrap().insert(i);
+    }
+
+    fn suspend(&self, i: usize) {
+        self.signed_up.lock().unwrap().remove(&i);
+    }
+}
+
+#[async_trait::async_trait]
+impl Catalogue for Register {
+    async fn outboxes(&self) -> outbox::Result<BTreeSet<String>> {
+        let signed_up = self.signed_up.lock().unwrap();
+        Ok(signed_up.iter().map(|i| format!("tenant-{i}")).collect())
+    }
+
+    async fn relay(&self, name: &str) -> outbox::Result<RelayBuilder> {
+        let tenant = name
+            .strip_prefix("tenant-")
+            .and_then(|i| i.parse::<usize>().ok())
+            .and_then(|i| self.tenants.get(i))
+            .ok_or_else(|| outbox::Error::invalid_input(format!("no tenant `{name}`")))?;
+        Ok(tenant.relay(self.sent.clone()))
+    }
+}
+
 /// Tenant `i`'s schema: this run's own (the process id in it), dropped at
 /// the end.
 fn schema(i: usize) -> String {
@@ -274,21 +312,27 @@ async fn run(a: Args) -> Result<bool, Failure> {
     };
     println!("tenants: {where_}, {} invoices", a.invoices);
 
-    // One fleet relays every tenant but the last, which joins later.
+    // One fleet follows the application's register of tenants: every
+    // tenant but the last is signed up now; the last signs up later.
     let fleet = Fleet::builder()
         .worker_id(format!("tenants-example-{}", std::process::id()))
         .concurrency(32)
         .build()?;
     let sent = Arc::new(AtomicU64::new(0));
     let late = a.tenants - 1;
-    for (i, t) in tenants.iter().enumerate().take(late) {
-        fleet.add(format!("tenant-{i}"), t.relay(sent.clone()))?;
-    }
+    let tenants = Arc::new(tenants);
+    let register = Arc::new(Register {
+        tenants: tenants.clone(),
+        signed_up: Mutex::new((0..late).collect()),
+        sent: sent.clone(),
+    });
+    let discovery = fleet.discover(register.clone(), Duration::from_secs(60))?;
+    discovery.refresh().await?;
 
     // The application: 8 writers issue the invoices, each to a tenant
     // drawn at random.
     let started = Instant::now();
-    let (issued_so_far, tenants) = (Arc::new(AtomicU64::new(0)), Arc::new(tenants));
+    let issued_so_far = Arc::new(AtomicU64::new(0));
     let writers: Vec<_> = (0..8)
         .map(|_| {
             let (issued, tenants, total) =
@@ -317,14 +361,21 @@ async fn run(a: Args) -> Result<bool, Failure> {
         }
     };
     progress(1).await;
-    // A tenant signs up: it joins while the fleet runs, and its invoices
-    // issued so far are relayed.
-    fleet.add(format!("tenant-{late}"), tenants[late].relay(sent.clone()))?;
-    // Another leaves for a while: its relay stops; what it had not sent
-    // waits in its store.
-    fleet.remove("tenant-0").await?;
+    // A tenant signs up and another is suspended for a while: the register
+    // changes, and the fleet reads it at once rather than at its next
+    // reading. The new tenant's invoices issued so far are relayed; the
+    // suspended one's relay stops and what it had not sent waits in its
+    // store.
+    register.sign_up(late);
+    register.suspend(0);
+    let changed = discovery.refresh().await?;
+    println!(
+        "register read again: joined {:?}, left {:?}",
+        changed.added, changed.removed
+    );
     progress(2).await;
-    fleet.add("tenant-0", tenants[0].relay(sent.clone()))?;
+    register.sign_up(0);
+    discovery.refresh().await?;
     for w in writers {
         w.await??;
     }
@@ -365,6 +416,7 @@ async fn run(a: Args) -> Result<bool, Failure> {
         fleet.len()
     );
     println!("fleet health: {:?}; {cost}", health.status);
+    discovery.stop();
     fleet.shutdown().await;
     if let Some(pool) = &pg {
         for i in 0..a.tenants {
