@@ -245,6 +245,8 @@ struct SlowClaims {
     waiting: Arc<tokio::sync::Notify>,
     gate: Arc<tokio::sync::Notify>,
     announced: Arc<AtomicUsize>,
+    /// Claims asked for (alone or riding with completions).
+    claims: Arc<AtomicUsize>,
 }
 
 impl SlowClaims {
@@ -273,6 +275,7 @@ impl WorkListener for CountingListener {
 #[async_trait]
 impl Store for SlowClaims {
     async fn claim(&self, r: &ClaimRequest) -> outbox::Result<Vec<Message>> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
         let claimed = self.inner.claim(r).await?;
         Ok(self.answer(claimed).await)
     }
@@ -282,6 +285,7 @@ impl Store for SlowClaims {
         now: Timestamp,
         next: &ClaimRequest,
     ) -> outbox::Result<Vec<Message>> {
+        self.claims.fetch_add(1, Ordering::SeqCst);
         let claimed = self.inner.complete_and_claim(done, now, next).await?;
         Ok(self.answer(claimed).await)
     }
@@ -313,7 +317,9 @@ impl Store for SlowClaims {
 
 /// A commit announced while a claim is on its way (the claim took its
 /// snapshot before the commit) is not lost: the relay claims again instead
-/// of sleeping until its next poll.
+/// of sleeping until its next poll. (And an unkeyed completion is not
+/// followed by a claim of its own:
+/// `an_unkeyed_completion_after_a_short_claim_waits_for_a_commit`.)
 #[tokio::test]
 async fn a_commit_announced_during_a_claim_is_not_lost() {
     let inner = MemoryStore::new();
@@ -323,6 +329,7 @@ async fn a_commit_announced_during_a_claim_is_not_lost() {
         waiting: Arc::default(),
         gate: Arc::default(),
         announced: Arc::default(),
+        claims: Arc::default(),
     };
     let count = Arc::new(AtomicUsize::new(0));
     // The claim that follows the first delivery is slow: the handler arms it.
@@ -339,7 +346,9 @@ async fn a_commit_announced_during_a_claim_is_not_lost() {
         .spawn()
         .unwrap();
     handle.until_idle().await.unwrap();
-    enqueue(&inner, vec![msg(MessageKind::Domain, "Ok", 1)]);
+    // Keyed: its completion may free the key's next message, so a claim
+    // rides with it (an unkeyed completion is not followed by a claim).
+    enqueue(&inner, vec![msg(MessageKind::Domain, "Ok", 1).key("k")]);
     tokio::time::timeout(DEADLINE, store.waiting.notified())
         .await
         .expect("the claim after the first delivery starts");
@@ -356,6 +365,62 @@ async fn a_commit_announced_during_a_claim_is_not_lost() {
         || async { count.load(Ordering::SeqCst) == 2 },
     )
     .await;
+    handle.shutdown().await;
+}
+
+/// After a claim that found less than it asked for, an unkeyed message's
+/// completion is recorded alone: it can free no other message, so no claim
+/// rides with it and the relay waits for the next commit. A keyed one's
+/// can free the key's next message, so a claim rides with it. (A quiet
+/// outbox's message costs one claim, not two.)
+#[tokio::test]
+async fn an_unkeyed_completion_after_a_short_claim_waits_for_a_commit() {
+    let inner = MemoryStore::new();
+    let store = SlowClaims {
+        inner: inner.clone(),
+        armed: Arc::default(),
+        waiting: Arc::default(),
+        gate: Arc::default(),
+        announced: Arc::default(),
+        claims: Arc::default(),
+    };
+    let count = Arc::new(AtomicUsize::new(0));
+    let c = count.clone();
+    let handlers = Handlers::new().on_message("Ok", move |_m: &Message| {
+        c.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, std::io::Error>(()) }
+    });
+    let handle = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .poll_interval(Duration::from_secs(3600))
+        .spawn()
+        .unwrap();
+    handle.until_idle().await.unwrap();
+    let mut claims_for = Vec::new();
+    for (n, key) in [(1, None), (2, Some("k")), (3, None)] {
+        let before = store.claims.load(Ordering::SeqCst);
+        let mut m = msg(MessageKind::Domain, "Ok", n);
+        if let Some(k) = key {
+            m = m.key(k);
+        }
+        enqueue(&inner, vec![m]);
+        outbox_api::testing::wait_until(
+            "the message is delivered and completed",
+            DEADLINE,
+            || async {
+                count.load(Ordering::SeqCst) == n && inner.stats().await.unwrap().pending == 0
+            },
+        )
+        .await;
+        // A claim riding with the completion is asked for before the
+        // completion shows.
+        claims_for.push(store.claims.load(Ordering::SeqCst) - before);
+    }
+    assert_eq!(
+        claims_for,
+        [1, 2, 1],
+        "claims per message: unkeyed, keyed, unkeyed"
+    );
     handle.shutdown().await;
 }
 

@@ -41,7 +41,7 @@ impl Settlement {
     }
 
     /// Whether only deliveries are waiting (a claim may then ride along).
-    fn only_done(&self) -> bool {
+    pub(super) fn only_done(&self) -> bool {
         !self.done.is_empty()
             && self.failed.is_empty()
             && self.deferred.is_empty()
