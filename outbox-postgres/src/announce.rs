@@ -71,6 +71,10 @@ struct Inner {
     sql: Arc<Sql>,
     channel: String,
     local: Wakeup,
+    /// This announcer's `NOTIFY` payload, unique to it (a random UUID): its
+    /// store's own listener skips its notifications, since every one
+    /// follows a wake-up of the same relays in this process.
+    token: String,
     debounce: Duration,
     /// Whether enqueues are watched and announced at all.
     enabled: bool,
@@ -101,6 +105,7 @@ impl Announcer {
                 channel: sql.names.channel(),
                 sql,
                 local,
+                token: outbox_api::MessageId::new().to_string(),
                 debounce,
                 enabled,
                 state: Mutex::new(State::default()),
@@ -113,6 +118,12 @@ impl Announcer {
     /// The in-process signal.
     pub(crate) fn local(&self) -> &Wakeup {
         &self.inner.local
+    }
+
+    /// The payload of this announcer's notifications: a listener of the
+    /// same store skips them (their relays were woken in-process first).
+    pub(crate) fn token(&self) -> &str {
+        &self.inner.token
     }
 
     /// Watches transaction `xid` (as `pg_current_xact_id()` printed it)
@@ -262,6 +273,7 @@ async fn look(inner: &Inner, notify: bool) -> bool {
         .bind(&ids)
         .bind(notify)
         .bind(&inner.channel)
+        .bind(&inner.token)
         .fetch_all(&inner.pool)
         .await
     {
@@ -335,6 +347,7 @@ fn forget_old(inner: &Inner) {
 async fn send_notify(inner: &Inner) {
     if let Err(e) = sqlx::query(AssertSqlSafe(inner.sql.notify.as_str()))
         .bind(&inner.channel)
+        .bind(&inner.token)
         .execute(&inner.pool)
         .await
     {

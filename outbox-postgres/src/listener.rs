@@ -62,13 +62,16 @@ impl std::fmt::Debug for PgWorkListener {
 
 impl PgWorkListener {
     /// A listener on `channel` through `shared`, or through a connection of
-    /// its own to the database of `options` when `shared` is `None`.
+    /// its own to the database of `options` when `shared` is `None`;
+    /// notifications carrying `token` (its store's announcer's) are
+    /// skipped, since `local` has woken it for each already.
     pub(crate) fn new(
         local: &Wakeup,
         mode: WakeUp,
         options: &PgConnectOptions,
         shared: Option<&PgSharedListener>,
         channel: &str,
+        token: &str,
         poll: Duration,
     ) -> Self {
         let remote = match mode {
@@ -82,7 +85,7 @@ impl PgWorkListener {
                         &own
                     }
                 };
-                let subscription = through.subscribe(channel);
+                let subscription = through.subscribe(channel, token);
                 if subscription.is_none() {
                     tracing::warn!("outbox listener created outside a tokio runtime; it polls");
                 }

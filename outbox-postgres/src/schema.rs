@@ -224,8 +224,8 @@ pub(crate) struct Sql {
     pub oldest_pending: String,
     pub notify: String,
     /// The commit watcher's look (src/announce.rs): `$1` the watched
-    /// transaction ids (text), `$2` whether to `NOTIFY` channel `$3` when
-    /// any has committed; rows: id, status (`committed` only once a fresh
+    /// transaction ids (text), `$2` whether to `NOTIFY` channel `$3` (with
+    /// payload `$4`, the announcer's token) when any has committed; rows: id, status (`committed` only once a fresh
     /// snapshot sees it), whether the `NOTIFY` was sent.
     pub look: String,
     /// The floor's candidate (src/floor.rs): retry generation, last `seq`
@@ -376,7 +376,7 @@ impl Sql {
                  WHERE state = 'pending' AND seq >= (SELECT seq FROM floor) ORDER BY seq LIMIT 1",
                 floor = floor_cte(&names, 1)
             ),
-            notify: "SELECT pg_notify($1, '')".to_owned(),
+            notify: "SELECT pg_notify($1, $2)".to_owned(),
             look: "WITH s AS MATERIALIZED (
                      SELECT x, CASE
                        WHEN st = 'committed'
@@ -385,7 +385,7 @@ impl Sql {
                      FROM unnest($1::text[]) AS x,
                           LATERAL pg_xact_status(x::xid8) AS st),
                    n AS MATERIALIZED (
-                     SELECT pg_notify($3, '') FROM s WHERE $2 AND status = 'committed' LIMIT 1)
+                     SELECT pg_notify($3, $4) FROM s WHERE $2 AND status = 'committed' LIMIT 1)
                    SELECT x, status, (SELECT count(*) FROM n) > 0 FROM s"
                 .to_owned(),
             // Taking a transaction id writes no WAL, so this statement's

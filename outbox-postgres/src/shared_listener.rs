@@ -72,6 +72,10 @@ struct Registry {
 struct Channel {
     changes: watch::Sender<u64>,
     listeners: usize,
+    /// The announcer tokens of the stores listening (one per listener): a
+    /// notification carrying a token that every listener has is its own
+    /// store's, whose relays were woken in-process already.
+    own: Vec<String>,
     /// `LISTEN` on it has taken effect on the connection that is up.
     listened: bool,
 }
@@ -123,7 +127,7 @@ impl PgSharedListener {
 
     /// Subscribes to `channel`: the receiver changes on each notification
     /// on it and on each (re)connection. `None` outside a tokio runtime.
-    pub(crate) fn subscribe(&self, channel: &str) -> Option<Subscription> {
+    pub(crate) fn subscribe(&self, channel: &str, own: &str) -> Option<Subscription> {
         if !self.keep_running() {
             return None;
         }
@@ -134,15 +138,18 @@ impl PgSharedListener {
                 .or_insert_with(|| Channel {
                     changes: watch::channel(0).0,
                     listeners: 0,
+                    own: Vec::new(),
                     listened: false,
                 });
             entry.listeners += 1;
+            entry.own.push(own.to_owned());
             entry.changes.subscribe()
         };
         self.inner.registry.changed.notify_one();
         Some(Subscription {
             shared: self.clone(),
             channel: channel.to_owned(),
+            own: own.to_owned(),
             changes,
         })
     }
@@ -182,6 +189,8 @@ impl PgSharedListener {
 pub(crate) struct Subscription {
     shared: PgSharedListener,
     channel: String,
+    /// Its store's announcer token (see [`Channel::own`]).
+    own: String,
     pub(crate) changes: watch::Receiver<u64>,
 }
 
@@ -208,6 +217,9 @@ impl Drop for Subscription {
         let mut channels = lock(&registry.channels);
         if let Some(entry) = channels.get_mut(&self.channel) {
             entry.listeners -= 1;
+            if let Some(i) = entry.own.iter().position(|t| *t == self.own) {
+                entry.own.swap_remove(i);
+            }
             if entry.listeners == 0 {
                 channels.remove(&self.channel);
                 registry.changed.notify_one();
@@ -232,6 +244,17 @@ impl Registry {
             c.listened = false;
         }
         self.bump_all();
+    }
+
+    /// A notification on `channel` with `payload`: tells its listeners,
+    /// unless it is their own store's (every one of them has the token).
+    fn notified(&self, channel: &str, payload: &str) {
+        if let Some(c) = lock(&self.channels).get(channel) {
+            let own = !payload.is_empty() && c.own.iter().all(|t| t == payload);
+            if !own {
+                c.bump();
+            }
+        }
     }
 
     fn bump(&self, channel: &str) {
@@ -304,7 +327,7 @@ async fn serve(
         listened = wanted;
         tokio::select! {
             received = listener.try_recv() => match received? {
-                Some(n) => registry.bump(n.channel()),
+                Some(n) => registry.notified(n.channel(), n.payload()),
                 // The connection was lost. It is made again here, not by
                 // sqlx, so that the channels listened to are this loop's.
                 None => return Err(sqlx::Error::PoolClosed),
@@ -327,4 +350,43 @@ async fn connect(options: &PgConnectOptions) -> Result<PgListener, sqlx::Error> 
     listener.ignore_pool_close_event(true);
     listener.eager_reconnect(false);
     Ok(listener)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A registry with channel `c` listened to by stores with `own` tokens,
+    /// and a receiver of its changes.
+    fn listened_by(own: &[&str]) -> (Registry, watch::Receiver<u64>) {
+        let registry = Registry::default();
+        let (changes, seen) = watch::channel(0);
+        lock(&registry.channels).insert(
+            "c".to_owned(),
+            Channel {
+                changes,
+                listeners: own.len(),
+                own: own.iter().map(|t| (*t).to_owned()).collect(),
+                listened: true,
+            },
+        );
+        (registry, seen)
+    }
+
+    #[test]
+    fn a_stores_own_notification_is_skipped_and_every_other_one_told() {
+        let (registry, mut seen) = listened_by(&["a"]);
+        registry.notified("c", "a");
+        assert!(!seen.has_changed().unwrap(), "its own store's: skipped");
+        for other in ["", "b"] {
+            registry.notified("c", other);
+            assert!(seen.has_changed().unwrap(), "{other:?} is told");
+            seen.borrow_and_update();
+        }
+        // Two stores of this process on one table: each must hear the
+        // other's commits, so no notification is skipped.
+        let (registry, seen) = listened_by(&["a", "b"]);
+        registry.notified("c", "a");
+        assert!(seen.has_changed().unwrap());
+    }
 }

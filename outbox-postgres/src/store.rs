@@ -525,6 +525,7 @@ impl Store for PgStore {
             &self.inner.pool.connect_options(),
             self.inner.shared_listener.as_ref(),
             &self.inner.sql.names.channel(),
+            self.inner.announcer.token(),
             self.inner.poll,
         ))
     }
