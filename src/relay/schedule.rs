@@ -309,7 +309,7 @@ impl<'a> Scheduler<'a> {
         // Whether what this round records may make something claimable:
         // anything but unkeyed completions (a released or failed message,
         // a keyed one's successor).
-        self.round_frees = !(self.pending.only_done() && !self.keyed_done);
+        self.round_frees = !self.pending.only_done() || self.keyed_done;
         let settlement = std::mem::take(&mut self.pending);
         self.keyed_done = false;
         let relay = self.relay.clone();
@@ -335,12 +335,10 @@ impl<'a> Scheduler<'a> {
                     lease_until,
                 }));
             }
-            None if round.error.is_none() => {
-                // Only records: what they unblock is claimed next round
-                // (unkeyed completions unblock nothing).
-                if self.round_frees {
-                    self.exhausted = false;
-                }
+            // Only records: what they unblock is claimed next round
+            // (unkeyed completions unblock nothing).
+            None if round.error.is_none() && self.round_frees => {
+                self.exhausted = false;
             }
             None => {}
         }
