@@ -250,6 +250,18 @@ struct SlowClaims {
 }
 
 impl SlowClaims {
+    /// Over `inner`, unarmed, nothing counted yet.
+    fn over(inner: &MemoryStore) -> Self {
+        SlowClaims {
+            inner: inner.clone(),
+            armed: Arc::default(),
+            waiting: Arc::default(),
+            gate: Arc::default(),
+            announced: Arc::default(),
+            claims: Arc::default(),
+        }
+    }
+
     async fn answer(&self, claimed: Vec<Message>) -> Vec<Message> {
         if self.armed.swap(false, Ordering::SeqCst) {
             self.waiting.notify_one();
@@ -323,14 +335,7 @@ impl Store for SlowClaims {
 #[tokio::test]
 async fn a_commit_announced_during_a_claim_is_not_lost() {
     let inner = MemoryStore::new();
-    let store = SlowClaims {
-        inner: inner.clone(),
-        armed: Arc::default(),
-        waiting: Arc::default(),
-        gate: Arc::default(),
-        announced: Arc::default(),
-        claims: Arc::default(),
-    };
+    let store = SlowClaims::over(&inner);
     let count = Arc::new(AtomicUsize::new(0));
     // The claim that follows the first delivery is slow: the handler arms it.
     let (c, armed) = (count.clone(), store.armed.clone());
@@ -376,14 +381,7 @@ async fn a_commit_announced_during_a_claim_is_not_lost() {
 #[tokio::test]
 async fn an_unkeyed_completion_after_a_short_claim_waits_for_a_commit() {
     let inner = MemoryStore::new();
-    let store = SlowClaims {
-        inner: inner.clone(),
-        armed: Arc::default(),
-        waiting: Arc::default(),
-        gate: Arc::default(),
-        announced: Arc::default(),
-        claims: Arc::default(),
-    };
+    let store = SlowClaims::over(&inner);
     let count = Arc::new(AtomicUsize::new(0));
     let c = count.clone();
     let handlers = Handlers::new().on_message("Ok", move |_m: &Message| {
