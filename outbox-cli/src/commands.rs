@@ -394,6 +394,8 @@ pub async fn serve_many(
 ) -> Result<Output, CliError> {
     let mut console = outbox_console::Console::new().read_concurrency(READ_CONCURRENCY);
     let mut shown = 0usize;
+    // Warned of once: not tried again while the schema stays.
+    let mut refused = std::collections::HashSet::new();
     for entry in &found.outboxes {
         // The console's name rules, tried on a console of its own: a
         // refused name must not cost the others (schema names are unique).
@@ -411,11 +413,14 @@ pub async fn serve_many(
                     .map_err(|e| CliError::usage(e.to_string()))?;
                 shown += 1;
             }
-            Err(why) => eprintln!(
-                "warning: schema `{}` is left out of the console: {}",
-                render::one_line(&entry.name),
-                render::one_line(&why)
-            ),
+            Err(why) => {
+                eprintln!(
+                    "warning: schema `{}` is left out of the console: {}",
+                    render::one_line(&entry.name),
+                    render::one_line(&why)
+                );
+                refused.insert(entry.name.clone());
+            }
         }
     }
     if shown == 0 {
@@ -436,6 +441,7 @@ pub async fn serve_many(
             table.to_owned(),
             matching.clone(),
             args.refresh,
+            refused,
         ))
     });
     let output = serve_console(console, &what, args).await;
@@ -447,16 +453,16 @@ pub async fn serve_many(
 
 /// Looks for the schemas matching `matching` every `every` while the
 /// console serves: a new one is added to `list`, one gone is removed. A
-/// failed look changes nothing; a schema that cannot be shown is warned of
-/// once.
+/// failed look changes nothing; a schema that cannot be shown (`refused`
+/// holds those already warned of) is warned of once.
 async fn follow_schemas(
     list: outbox_console::OutboxList,
     pool: outbox_postgres::sqlx::PgPool,
     table: String,
     matching: Glob,
     every: Duration,
+    mut refused: std::collections::HashSet<String>,
 ) {
-    let mut refused: std::collections::HashSet<String> = Default::default();
     let mut ticks = tokio::time::interval(every);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The first tick is at once: the console starts with what was found.
