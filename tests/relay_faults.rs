@@ -249,6 +249,18 @@ struct SlowClaims {
     claims: Arc<AtomicUsize>,
 }
 
+/// A relay over `store` that only a commit wakes (its poll is an hour),
+/// once it has found nothing to claim.
+async fn idle_relay(store: &SlowClaims, handlers: Handlers) -> outbox::RelayHandle {
+    let handle = Relay::builder(store.clone())
+        .dispatcher(handlers)
+        .poll_interval(Duration::from_secs(3600))
+        .spawn()
+        .unwrap();
+    handle.until_idle().await.unwrap();
+    handle
+}
+
 impl SlowClaims {
     /// Over `inner`, unarmed, nothing counted yet.
     fn over(inner: &MemoryStore) -> Self {
@@ -345,12 +357,7 @@ async fn a_commit_announced_during_a_claim_is_not_lost() {
         }
         async { Ok::<_, std::io::Error>(()) }
     });
-    let handle = Relay::builder(store.clone())
-        .dispatcher(handlers)
-        .poll_interval(Duration::from_secs(3600))
-        .spawn()
-        .unwrap();
-    handle.until_idle().await.unwrap();
+    let handle = idle_relay(&store, handlers).await;
     // Keyed: its completion may free the key's next message, so a claim
     // rides with it (an unkeyed completion is not followed by a claim).
     enqueue(&inner, vec![msg(MessageKind::Domain, "Ok", 1).key("k")]);
@@ -388,12 +395,7 @@ async fn an_unkeyed_completion_after_a_short_claim_waits_for_a_commit() {
         c.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, std::io::Error>(()) }
     });
-    let handle = Relay::builder(store.clone())
-        .dispatcher(handlers)
-        .poll_interval(Duration::from_secs(3600))
-        .spawn()
-        .unwrap();
-    handle.until_idle().await.unwrap();
+    let handle = idle_relay(&store, handlers).await;
     let mut claims_for = Vec::new();
     for (n, key) in [(1, None), (2, Some("k")), (3, None)] {
         let before = store.claims.load(Ordering::SeqCst);

@@ -392,27 +392,14 @@ pub async fn serve_many(
     table: &str,
     args: &ServeArgs,
 ) -> Result<Output, CliError> {
-    let mut console = outbox_console::Console::new().read_concurrency(READ_CONCURRENCY);
+    let console = outbox_console::Console::new().read_concurrency(READ_CONCURRENCY);
+    let list = console.outbox_list();
     let mut shown = 0usize;
     // Warned of once: not tried again while the schema stays.
     let mut refused = std::collections::HashSet::new();
     for entry in &found.outboxes {
-        // The console's name rules, tried on a console of its own: a
-        // refused name must not cost the others (schema names are unique).
-        let checked = match &entry.store {
-            Ok(store) => outbox_console::Console::new()
-                .outbox(entry.name.clone(), store.clone())
-                .map(|_| store)
-                .map_err(|e| e.to_string()),
-            Err(why) => Err(why.clone()),
-        };
-        match checked {
-            Ok(store) => {
-                console = console
-                    .outbox(entry.name.clone(), store.clone())
-                    .map_err(|e| CliError::usage(e.to_string()))?;
-                shown += 1;
-            }
+        match show_schema(&list, &entry.name, entry.store.clone()) {
+            Ok(()) => shown += 1,
             Err(why) => {
                 eprintln!(
                     "warning: schema `{}` is left out of the console: {}",
@@ -436,7 +423,7 @@ pub async fn serve_many(
     );
     let following = found.pool().map(|pool| {
         tokio::spawn(follow_schemas(
-            console.outbox_list(),
+            list,
             pool.clone(),
             table.to_owned(),
             matching.clone(),
@@ -487,11 +474,7 @@ async fn follow_schemas(
             if refused.contains(new) {
                 continue;
             }
-            let added = match db::open_schema(&pool, new, &table).await {
-                Ok(store) => list.add(new.clone(), store).map_err(|e| e.to_string()),
-                Err(why) => Err(why),
-            };
-            match added {
+            match show_schema(&list, new, db::open_schema(&pool, new, &table).await) {
                 Ok(()) => tracing::info!(schema = %new, "new schema: added to the console"),
                 Err(why) => {
                     tracing::warn!(schema = %render::one_line(new), error = %render::one_line(&why),
@@ -501,6 +484,17 @@ async fn follow_schemas(
             }
         }
     }
+}
+
+/// Adds schema `name`'s outbox, opened as `store`, to the console's `list`,
+/// or says why it cannot be shown (a store that did not open, a name the
+/// console refuses; the list is left as it was).
+fn show_schema(
+    list: &outbox_console::OutboxList,
+    name: &str,
+    store: Result<std::sync::Arc<dyn outbox_api::OperatorStore>, String>,
+) -> Result<(), String> {
+    list.add(name, store?).map_err(|e| e.to_string())
 }
 
 /// Serves `console` (describing it as `what`) until Ctrl-C or SIGTERM.

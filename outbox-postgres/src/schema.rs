@@ -225,8 +225,9 @@ pub(crate) struct Sql {
     pub notify: String,
     /// The commit watcher's look (src/announce.rs): `$1` the watched
     /// transaction ids (text), `$2` whether to `NOTIFY` channel `$3` (with
-    /// payload `$4`, the announcer's token) when any has committed; rows: id, status (`committed` only once a fresh
-    /// snapshot sees it), whether the `NOTIFY` was sent.
+    /// payload `$4`, the announcer's token) when any has committed; rows:
+    /// id, status (`committed` only once a fresh snapshot sees it), whether
+    /// the `NOTIFY` was sent.
     pub look: String,
     /// The floor's candidate (src/floor.rs): retry generation, last `seq`
     /// drawn, a fresh transaction id, the `seq` sequence's cache size.

@@ -71,8 +71,7 @@ struct Registry {
 
 struct Channel {
     changes: watch::Sender<u64>,
-    listeners: usize,
-    /// The announcer tokens of the stores listening (one per listener): a
+    /// The announcer tokens of the stores listening, one per listener: a
     /// notification carrying a token that every listener has is its own
     /// store's, whose relays were woken in-process already.
     own: Vec<String>,
@@ -137,11 +136,9 @@ impl PgSharedListener {
                 .entry(channel.to_owned())
                 .or_insert_with(|| Channel {
                     changes: watch::channel(0).0,
-                    listeners: 0,
                     own: Vec::new(),
                     listened: false,
                 });
-            entry.listeners += 1;
             entry.own.push(own.to_owned());
             entry.changes.subscribe()
         };
@@ -153,9 +150,7 @@ impl PgSharedListener {
             changes,
         })
     }
-}
 
-impl PgSharedListener {
     /// Starts the connection's task on the current runtime unless it runs:
     /// at the first subscription, and again after the runtime it ran on
     /// shut down (an application that built its first relays on a runtime
@@ -216,11 +211,10 @@ impl Drop for Subscription {
         let registry = &self.shared.inner.registry;
         let mut channels = lock(&registry.channels);
         if let Some(entry) = channels.get_mut(&self.channel) {
-            entry.listeners -= 1;
             if let Some(i) = entry.own.iter().position(|t| *t == self.own) {
                 entry.own.swap_remove(i);
             }
-            if entry.listeners == 0 {
+            if entry.own.is_empty() {
                 channels.remove(&self.channel);
                 registry.changed.notify_one();
             }
@@ -365,7 +359,6 @@ mod tests {
             "c".to_owned(),
             Channel {
                 changes,
-                listeners: own.len(),
                 own: own.iter().map(|t| (*t).to_owned()).collect(),
                 listened: true,
             },
