@@ -56,6 +56,14 @@ pub(crate) fn sequences(names: &Names) -> (String, String) {
 /// not at all (docs/decisions.md, "PostgreSQL: claims run side by side").
 /// The outer `WHERE` repeats the lease condition.
 ///
+/// The `UPDATE` finds its rows by `seq = ANY(ARRAY(…picked…))`, an index
+/// lookup per picked row whatever the statistics say, not by a join with
+/// `picked`: the claim runs a generic plan, made once per connection
+/// (see `begin_claim` in `schema.rs`), and a join planned while the table
+/// was empty and never analysed walked the whole pending index for every
+/// picked row once it had filled (docs/decisions.md, "the claim's plan is
+/// generic").
+///
 /// The earlier-message tests say "pending" as `state NOT IN ('processed',
 /// 'poisoned')` (the same, by the table's CHECK): that implies the key
 /// index's predicate but not the pending index's, so they can only look a
@@ -95,12 +103,11 @@ pub(crate) fn claim_sql(names: &Names) -> String {
            LIMIT $5
            FOR UPDATE OF m SKIP LOCKED)
          UPDATE {t} AS u SET locked_by = $1, locked_until = $2
-         FROM picked
-         WHERE u.seq = picked.seq AND u.state = 'pending'
+         WHERE u.seq = ANY(ARRAY(SELECT seq FROM picked)) AND u.state = 'pending'
            AND (u.locked_until IS NULL OR u.locked_until <= $3)
-           AND (picked.key IS NULL OR NOT EXISTS (
+           AND (u.key IS NULL OR NOT EXISTS (
              SELECT 1 FROM {t} AS e
-             WHERE e.key = picked.key AND e.seq < picked.seq
+             WHERE e.key = u.key AND e.seq < u.seq
                AND e.seq >= (SELECT seq FROM floor)
                AND e.state NOT IN ('processed', 'poisoned')
                AND e.seq NOT IN (SELECT seq FROM picked)))

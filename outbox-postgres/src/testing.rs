@@ -196,17 +196,20 @@ impl PgUnderTest {
             .await
             .expect("rollback");
         let plan = plan.join("\n");
-        // The first `Buffers:` line is the whole statement's.
-        let total = plan
-            .lines()
-            .find(|l| l.trim_start().starts_with("Buffers:"))
-            .map_or(0, |line| {
-                line.split_whitespace()
-                    .filter_map(|w| w.split_once('=').and_then(|(_, n)| n.parse::<u64>().ok()))
-                    .sum()
-            });
-        (total, plan)
+        (plan_buffers(&plan), plan)
     }
+}
+
+/// The shared buffers a plan of `EXPLAIN (ANALYZE, BUFFERS)` touched in
+/// all: its first `Buffers:` line, the whole statement's (0 if none).
+pub fn plan_buffers(plan: &str) -> u64 {
+    plan.lines()
+        .find(|l| l.trim_start().starts_with("Buffers:"))
+        .map_or(0, |line| {
+            line.split_whitespace()
+                .filter_map(|w| w.split_once('=').and_then(|(_, n)| n.parse::<u64>().ok()))
+                .sum()
+        })
 }
 
 /// The messages' payloads as text, in order.
