@@ -83,11 +83,8 @@ pub(super) struct Scheduler<'a> {
     /// The last claim found less than it asked for: claim again only when
     /// a settle may have unblocked something or a commit was announced.
     exhausted: bool,
-    /// A keyed message is among `pending.done`: its completion may let
-    /// the key's next message be claimed.
-    keyed_done: bool,
     /// The round in flight records something that may make a message
-    /// claimable (see `start_round`).
+    /// claimable (`Settlement::frees`).
     round_frees: bool,
     /// Commits announced by the store's listener so far.
     announced: u64,
@@ -124,7 +121,6 @@ impl<'a> Scheduler<'a> {
             round: None,
             round_lease_until: None,
             exhausted: false,
-            keyed_done: false,
             round_frees: false,
             announced: 0,
             announced_at_claim: 0,
@@ -263,7 +259,7 @@ impl<'a> Scheduler<'a> {
         // a short claim it waits for a commit to be announced instead of
         // claiming again (a quiet outbox's message costs a claim and a
         // completion, not a second, empty claim).
-        let unblocked = self.keyed_done || !self.pending.untouched.is_empty();
+        let unblocked = self.pending.keyed_done || !self.pending.untouched.is_empty();
         room && (!self.exhausted || unblocked)
     }
 
@@ -306,12 +302,8 @@ impl<'a> Scheduler<'a> {
             self.claim_rounds += 1;
             self.announced_at_claim = self.announced;
         }
-        // Whether what this round records may make something claimable:
-        // anything but unkeyed completions (a released or failed message,
-        // a keyed one's successor).
-        self.round_frees = !self.pending.only_done() || self.keyed_done;
+        self.round_frees = self.pending.frees();
         let settlement = std::mem::take(&mut self.pending);
-        self.keyed_done = false;
         let relay = self.relay.clone();
         self.round = Some(Box::pin(async move {
             relay.settle_and_claim(settlement, claim).await
@@ -511,7 +503,7 @@ impl<'a> Scheduler<'a> {
                 {
                     tracing::info!(message.type = %m.message_type, "handler is available again");
                 }
-                self.keyed_done |= m.key.is_some();
+                self.pending.keyed_done |= m.key.is_some();
                 self.pending.done.push(m.id);
             }
             DeliveryOutcome::Failed(error) | DeliveryOutcome::Rejected(error) => {

@@ -18,6 +18,9 @@ use super::{DrainReport, Relay};
 pub(super) struct Settlement {
     /// Delivered: mark processed.
     pub done: Vec<MessageId>,
+    /// A keyed message is among `done`: its completion may let the key's
+    /// next message be claimed.
+    pub keyed_done: bool,
     /// Counted failures, with their error.
     pub failed: Vec<(Message, String)>,
     /// Handler temporarily unavailable: give back until the given time.
@@ -40,8 +43,15 @@ impl Settlement {
             && self.untouched.is_empty()
     }
 
+    /// Whether recording it may make a message claimable: anything but
+    /// unkeyed completions (a released or failed message, a keyed one's
+    /// successor).
+    pub(super) fn frees(&self) -> bool {
+        !self.only_done() || self.keyed_done
+    }
+
     /// Whether only deliveries are waiting (a claim may then ride along).
-    pub(super) fn only_done(&self) -> bool {
+    fn only_done(&self) -> bool {
         !self.done.is_empty()
             && self.failed.is_empty()
             && self.deferred.is_empty()
