@@ -20,7 +20,8 @@
 //! prints what the fleet cost (connections on PostgreSQL, files open on
 //! SQLite) and exits 1 if anything is missing.
 //!
-//! On PostgreSQL the tenants' stores share one pool and one `LISTEN`
+//! On PostgreSQL the tenants' stores share four pools of two connections,
+//! each tenant pinned to one ([`PgTenantPools`]), and one `LISTEN`
 //! connection ([`PgSharedListener`]); on SQLite their files are opened on
 //! demand, at most 16 at once, and closed when idle ([`SqliteFiles`]). Its
 //! schemas (`tenants_example_<pid>_<i>`) or files are dropped at the end.
@@ -31,9 +32,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use outbox::{Catalogue, Fleet, Handlers, Message, MessageKind, NewMessage, Relay, RelayBuilder};
-use outbox_postgres::sqlx::postgres::PgPoolOptions;
 use outbox_postgres::sqlx::{self, AssertSqlSafe, PgPool};
-use outbox_postgres::{PgSharedListener, PgStore};
+use outbox_postgres::{PgSharedListener, PgStore, PgTenantPools};
 use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
 use outbox_sqlite::sqlx::{SqlitePool, query as sqlite_query};
 use outbox_sqlite::{SqliteFiles, SqliteStore};
@@ -232,20 +232,22 @@ fn schema(i: usize) -> String {
     format!("tenants_example_{}_{i}", std::process::id())
 }
 
-/// Every tenant on PostgreSQL: a schema each, one pool and one `LISTEN`
-/// connection for all of them.
+/// Every tenant on PostgreSQL: a schema each, four small pools (each
+/// tenant pinned to one, its statements kept prepared there) and one
+/// `LISTEN` connection for all of them.
 async fn postgres_tenants(url: &str, n: usize) -> Result<(Vec<TenantDb>, PgPool), Failure> {
-    let pool = PgPoolOptions::new().max_connections(8).connect(url).await?;
-    let shared = PgSharedListener::new(&pool);
+    let pools = PgTenantPools::connect(url.parse()?, 4, 2).await?;
+    let shared = PgSharedListener::new(&pools.pools()[0]);
     let mut tenants = Vec::with_capacity(n);
     for i in 0..n {
         let schema = schema(i);
+        let pool = pools.for_name(&schema);
         sqlx::raw_sql(AssertSqlSafe(format!(
             r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE;
                CREATE SCHEMA "{schema}";
                CREATE TABLE "{schema}".invoices (id text PRIMARY KEY, cents int8 NOT NULL, sent int8 NOT NULL)"#
         )))
-        .execute(&pool)
+        .execute(pool)
         .await?;
         let store = PgStore::builder_with_pool(pool.clone())
             .schema(&schema)
@@ -259,7 +261,7 @@ async fn postgres_tenants(url: &str, n: usize) -> Result<(Vec<TenantDb>, PgPool)
             store,
         });
     }
-    Ok((tenants, pool))
+    Ok((tenants, pools.pools()[0].clone()))
 }
 
 /// Every tenant on SQLite: a file each in `dir`, the stores' connections
@@ -400,7 +402,7 @@ async fn run(a: Args) -> Result<bool, Failure> {
             .fetch_one(pool)
             .await?;
             format!(
-                "{held} connections to the database (at most a pool of 8 and one LISTEN, for every tenant)"
+                "{held} connections to the database (at most four pools of 2 and one LISTEN, for every tenant)"
             )
         }
         None => format!(

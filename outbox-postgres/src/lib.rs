@@ -17,6 +17,7 @@ mod row;
 mod schema;
 mod shared_listener;
 mod store;
+mod tenant_pools;
 #[cfg(feature = "testing")]
 pub mod testing;
 #[cfg(feature = "tokio-postgres")]
@@ -35,6 +36,7 @@ pub use outbox::{PgEnqueue, PgOutbox};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};
 pub use shared_listener::PgSharedListener;
 pub use store::PgStore;
+pub use tenant_pools::{PgTenantPools, TENANT_STATEMENT_CACHE};
 
 /// The sqlx version this crate links against, re-exported so that
 /// applications use the same one.

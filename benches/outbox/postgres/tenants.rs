@@ -1,6 +1,7 @@
 //! Part `postgres-tenants` (`cargo bench --bench outbox -- tenants`): a
 //! fleet over 1,000 tenant schemas of the local database (20 in quick
-//! mode), one pool and one shared `LISTEN` connection, each figure beside
+//! mode), on 8 pools of one connection each (`PgTenantPools`, a tenant
+//! pinned to one) and one shared `LISTEN` connection, each figure beside
 //! its baseline from the same run:
 //!
 //! * one tenant drains a backlog of 100,000 while the other 999 each commit
@@ -18,30 +19,36 @@ use std::time::{Duration, Instant};
 
 use outbox::{Fleet, Handlers, Message, MessageKind, NewMessage, Relay, RelayHandle};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, PgPool, postgres::PgConnectOptions};
-use outbox_postgres::{PgSharedListener, PgStore};
+use outbox_postgres::{PgSharedListener, PgStore, PgTenantPools};
 
 use crate::common::{Figure, counting_handlers, histogram, latency_rows};
 
 const APP: &str = "outbox-tenants-bench";
-const POOL: u32 = 8;
+/// The fleet's pools, of one connection each.
+const POOLS: usize = 8;
 
 fn schema(i: usize) -> String {
     format!("tenants_bench_{i}")
 }
 
-/// A pool of `size` whose connections are named `name` (the fleet's,
-/// `APP`, are counted).
-async fn pool(url: &str, name: &str, size: u32) -> PgPool {
+/// The options of connections named `name` (the fleet's, `APP`, are
+/// counted).
+fn options(url: &str, name: &str) -> PgConnectOptions {
     let options: PgConnectOptions = url.parse().expect("a PostgreSQL URL");
+    options.application_name(name)
+}
+
+/// A pool of `size` whose connections are named `name`.
+async fn pool(url: &str, name: &str, size: u32) -> PgPool {
     outbox_postgres::sqlx::postgres::PgPoolOptions::new()
         .max_connections(size)
-        .connect_with(options.application_name(name))
+        .connect_with(options(url, name))
         .await
         .expect("connect to PostgreSQL")
 }
 
-async fn store(pool: &PgPool, shared: &PgSharedListener, i: usize) -> PgStore {
-    PgStore::builder_with_pool(pool.clone())
+async fn store(pools: &PgTenantPools, shared: &PgSharedListener, i: usize) -> PgStore {
+    PgStore::builder_with_pool(pools.for_name(&schema(i)).clone())
         .schema(schema(i))
         .listen_through(shared)
         .connect()
@@ -50,12 +57,17 @@ async fn store(pool: &PgPool, shared: &PgSharedListener, i: usize) -> PgStore {
 }
 
 /// Fresh tenant schemas 0..n, migrated, four at a time.
-async fn create_tenants(pool: &PgPool, shared: &PgSharedListener, n: usize) -> Vec<PgStore> {
+async fn create_tenants(
+    pool: &PgPool,
+    pools: &PgTenantPools,
+    shared: &PgSharedListener,
+    n: usize,
+) -> Vec<PgStore> {
     drop_tenants(pool, n).await;
     let mut stores = Vec::with_capacity(n);
     for chunk in (0..n).collect::<Vec<_>>().chunks(4) {
         let made = futures_util::future::join_all(chunk.iter().map(|&i| async move {
-            let s = store(pool, shared, i).await;
+            let s = store(pools, shared, i).await;
             s.migrate().await.unwrap();
             s
         }))
@@ -168,15 +180,19 @@ fn part(name: &str) -> bool {
 pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     let n = if quick { 20 } else { 1_000 };
     let window = Duration::from_secs(if quick { 2 } else { 20 });
-    let pool = pool(url, APP, POOL).await;
-    // The application's writers have a pool of their own.
+    // The bench's own statements (fills, counts, drops).
+    let pool = pool(url, "outbox-tenants-bench-admin", 4).await;
+    // The fleet's pools; the application's writers have a pool of their own.
+    let pools = PgTenantPools::connect(options(url, APP), POOLS, 1)
+        .await
+        .unwrap();
     let app = self::pool(url, "outbox-tenants-bench-app", 16).await;
-    let shared = PgSharedListener::new(&pool);
+    let shared = PgSharedListener::new(&pools.pools()[0]);
     let mut out = Vec::new();
 
     // Memory and idle cost: every tenant registered, none writing.
     let rss_before = rss_kb();
-    let stores = create_tenants(&pool, &shared, n).await;
+    let stores = create_tenants(&pool, &pools, &shared, n).await;
     let rss_stores = rss_kb();
     // The database's own background work (autovacuum of the new tables),
     // with no relay running, over a window longer than a sweep.
@@ -410,7 +426,9 @@ async fn busy_figures(
             .unwrap();
     out.push(
         Figure::new(
-            format!("tenants: connections held by the fleet of {n} (pool of {POOL} + 1 LISTEN)"),
+            format!(
+                "tenants: connections held by the fleet of {n} ({POOLS} pinned pools of 1 + 1 LISTEN)"
+            ),
             held as f64,
             "conns",
             "≤ 10",

@@ -1,0 +1,99 @@
+//! [`PgTenantPools`]: connections for many outbox stores of one database
+//! (a fleet's tenant schemas), each store pinned to one small pool so that
+//! its statements stay prepared.
+
+use std::sync::Arc;
+
+use outbox_api::{Error, Result};
+use sqlx::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::error::from_sqlx;
+
+/// How many prepared statements each connection keeps: a few per store
+/// for the stores pinned to it (claim, completion, failure, release, the
+/// floor's and the backlog's), with room to spare.
+pub const TENANT_STATEMENT_CACHE: usize = 1_024;
+
+/// Small pools of one database for many stores, each store pinned by
+/// name to one of them.
+///
+/// Every store has statements of its own (its table is in their text), and
+/// PostgreSQL plans a statement when a connection first prepares it. With
+/// one pool for a thousand tenants, each connection would need every
+/// tenant's statements: its cache (100 by default) keeps a few of them, and
+/// nearly every claim is parsed and planned again, which was most of the
+/// server's work in the tenants bench. Pinned, a connection prepares the
+/// statements of its own share of the tenants once and keeps them
+/// ([`TENANT_STATEMENT_CACHE`] a connection).
+///
+/// The cost is on the server: about 200 KB a prepared claim a connection
+/// (`pg_backend_memory_contexts`), so about 200 MB for 1,000 tenants on
+/// pools of one connection, twice that on pools of two. A store uses its
+/// own pool's connections only: a tenant's long statement holds up the
+/// others of its pool, not the rest. Use [`for_name`](Self::for_name)
+/// with [`PgStore::builder_with_pool`](crate::PgStore::builder_with_pool).
+/// Cloning shares the pools.
+#[derive(Clone, Debug)]
+pub struct PgTenantPools {
+    pools: Arc<[PgPool]>,
+}
+
+impl PgTenantPools {
+    /// `pools` pools of `connections` each to the database of `options`
+    /// (each connection keeping [`TENANT_STATEMENT_CACHE`] statements),
+    /// connected lazily. A count of zero is a configuration error naming
+    /// it.
+    pub fn connect_lazy(options: PgConnectOptions, pools: usize, connections: u32) -> Result<Self> {
+        if pools == 0 || connections == 0 {
+            return Err(Error::config(
+                "PgTenantPools",
+                format!(
+                    "needs at least one pool of at least one connection \
+                     (got {pools} pools of {connections})"
+                ),
+            ));
+        }
+        let options = options.statement_cache_capacity(TENANT_STATEMENT_CACHE);
+        let pools = (0..pools)
+            .map(|_| {
+                PgPoolOptions::new()
+                    .max_connections(connections)
+                    .connect_lazy_with(options.clone())
+            })
+            .collect();
+        Ok(PgTenantPools { pools })
+    }
+
+    /// [`connect_lazy`](Self::connect_lazy), then one connection of the
+    /// first pool made now, so that an unreachable database is an error
+    /// here.
+    pub async fn connect(
+        options: PgConnectOptions,
+        pools: usize,
+        connections: u32,
+    ) -> Result<Self> {
+        let made = Self::connect_lazy(options, pools, connections)?;
+        made.pools[0]
+            .acquire()
+            .await
+            .map_err(|e| from_sqlx(e, "connecting the tenant pools", "the tenants' database"))?;
+        Ok(made)
+    }
+
+    /// The pool of the store named `name` (its schema, say): always the same
+    /// one for a name, the names spread evenly over the pools.
+    pub fn for_name(&self, name: &str) -> &PgPool {
+        // FNV-1a: stable across processes and releases, unlike the
+        // standard library's hasher.
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        &self.pools[(hash % self.pools.len() as u64) as usize]
+    }
+
+    /// Every pool, in order.
+    pub fn pools(&self) -> &[PgPool] {
+        &self.pools
+    }
+}
