@@ -212,6 +212,21 @@ pub fn plan_buffers(plan: &str) -> u64 {
         })
 }
 
+/// Enqueues one message (`T`, payload `x`) on `store`'s own pool and
+/// commits it.
+pub async fn commit_one(store: &PgStore) {
+    let mut tx = store.pool().begin().await.expect("begin");
+    store
+        .outbox()
+        .enqueue(
+            &mut tx,
+            NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
+        )
+        .await
+        .expect("enqueue");
+    tx.commit().await.expect("commit");
+}
+
 /// The messages' payloads as text, in order.
 pub fn payloads(messages: &[outbox_api::Message]) -> Vec<String> {
     messages

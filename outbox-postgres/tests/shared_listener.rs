@@ -7,9 +7,9 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use outbox_api::testing::wait_until;
-use outbox_api::{ErrorKind, MessageKind, NewMessage, Store, WorkListener};
+use outbox_api::{ErrorKind, Store, WorkListener};
 use outbox_postgres::sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions};
-use outbox_postgres::testing::{PgUnderTest, database_url, listens};
+use outbox_postgres::testing::{PgUnderTest, commit_one, database_url, listens};
 use outbox_postgres::{PgSharedListener, PgStore, WakeUp};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -39,16 +39,7 @@ async fn commit_elsewhere(f: &PgUnderTest) -> PgStore {
         .await
         .expect("a second store on the same table");
     // On the second store's pool: `f`'s may belong to a runtime gone.
-    let mut tx = other.pool().begin().await.unwrap();
-    other
-        .outbox()
-        .enqueue(
-            &mut tx,
-            NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
-        )
-        .await
-        .unwrap();
-    tx.commit().await.unwrap();
+    commit_one(&other).await;
     other
 }
 

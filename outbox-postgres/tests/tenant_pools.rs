@@ -5,9 +5,9 @@
 use std::collections::HashSet;
 use std::str::FromStr;
 
-use outbox_api::{ErrorKind, MessageKind, NewMessage, Store};
+use outbox_api::{ErrorKind, Store};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, postgres::PgConnectOptions};
-use outbox_postgres::testing::{claim_request, database_url, unique_schema};
+use outbox_postgres::testing::{claim_request, commit_one, database_url, unique_schema};
 use outbox_postgres::{PgStore, PgTenantPools, TENANT_STATEMENT_CACHE};
 
 fn options() -> PgConnectOptions {
@@ -66,16 +66,7 @@ async fn a_connection_keeps_the_claims_of_all_its_stores_prepared() {
             .await
             .unwrap();
         store.migrate().await.unwrap();
-        let mut tx = pool.begin().await.unwrap();
-        store
-            .outbox()
-            .enqueue(
-                &mut tx,
-                NewMessage::new(MessageKind::Domain, "T", b"x".to_vec()),
-            )
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
+        commit_one(&store).await;
         stores.push(store);
     }
     for store in &stores {
