@@ -4,9 +4,13 @@
 //!
 //! An enqueue cannot see its transaction commit. It returns the
 //! transaction's id (`pg_current_xact_id()`), and a small task per store
-//! watches those ids with `pg_xact_status` — quickly at first, then more
-//! slowly for long transactions — until each has committed (announce) or
-//! rolled back (forget).
+//! watches those ids until each has committed (announce) or rolled back
+//! (forget). Each enqueuing transaction holds an advisory lock on its own
+//! id until it ends (`schema::OWN_LOCK`): the watcher waits for that lock,
+//! oldest transaction first, and looks at every watched one the moment it
+//! is granted. A transaction still open after [`WAIT_AT_MOST`] is asked
+//! after with `pg_xact_status` instead, more slowly the longer it stays
+//! open.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -20,7 +24,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::schema::Sql;
+use crate::schema::{Sql, WAIT_LOOK, own_lock_key};
 
 /// How long after an enqueue its transaction is first looked at. The
 /// application commits right after its last statement (one round trip, a
@@ -33,6 +37,11 @@ const FIRST_LOOK: Duration = Duration::from_micros(200);
 /// machine (the bench figure *enqueue throughput, PostgreSQL, 8 writers,
 /// wake-up on*).
 const LOOK_GAP: Duration = Duration::from_millis(1);
+/// How long the watcher waits for one transaction to end before it asks
+/// after it with looks instead. The wait holds one of the pool's
+/// connections; a transaction that outlasts it leaves one "canceling
+/// statement due to lock timeout" error in the server's log.
+const WAIT_AT_MOST: &str = "100ms";
 /// Most time between two looks at a transaction that is still open.
 const SLOWEST_LOOK: Duration = Duration::from_millis(100);
 /// A transaction still open after this long is no longer watched (a
@@ -81,6 +90,13 @@ struct Inner {
     state: Mutex<State>,
     kick: Arc<Notify>,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// The multi-thread runtime the store was built on, where its pool's
+    /// connections live: the watcher runs there rather than on the runtime
+    /// of whichever enqueue came first. An application's writers may run on
+    /// a runtime of their own that ends right after its last commit; a
+    /// watcher on it would end too, mid-look, and that commit would wait
+    /// for the relays' poll (and the look's connection be lost to the pool).
+    home: Option<tokio::runtime::Handle>,
 }
 
 #[derive(Default)]
@@ -111,6 +127,9 @@ impl Announcer {
                 state: Mutex::new(State::default()),
                 kick: Arc::new(Notify::new()),
                 task: Mutex::new(None),
+                home: tokio::runtime::Handle::try_current()
+                    .ok()
+                    .filter(|rt| rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
             }),
         }
     }
@@ -142,6 +161,7 @@ impl Announcer {
             .or_insert_with(|| Watched {
                 seen: Instant::now(),
                 looked: false,
+                waited: false,
             });
         self.kick();
     }
@@ -166,12 +186,23 @@ impl Announcer {
         if task.as_ref().is_some_and(|t| !t.is_finished()) {
             return;
         }
-        // Outside a tokio runtime nothing can be watched; relays poll.
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            let weak = Arc::downgrade(&self.inner);
-            let kick = Arc::clone(&self.inner.kick);
-            *task = Some(rt.spawn(run(weak, kick)));
-        }
+        // On the store's runtime while it runs, else on the caller's;
+        // outside a tokio runtime nothing can be watched and relays poll.
+        // A task spawned on a runtime that has shut down is finished at
+        // once.
+        let spawn = |rt: &tokio::runtime::Handle| {
+            rt.spawn(run(
+                Arc::downgrade(&self.inner),
+                Arc::clone(&self.inner.kick),
+            ))
+        };
+        *task = (self.inner.home.as_ref().map(spawn))
+            .filter(|t| !t.is_finished())
+            .or_else(|| {
+                tokio::runtime::Handle::try_current()
+                    .ok()
+                    .map(|rt| spawn(&rt))
+            });
     }
 }
 
@@ -188,14 +219,21 @@ struct Watched {
     seen: Instant,
     /// Whether a look has found it still open.
     looked: bool,
+    /// Whether the watcher has waited for it to end (whether or not it
+    /// did): it is waited for once, then looked at.
+    waited: bool,
 }
 
 impl Watched {
     /// When this transaction is next worth a look, the last look having
-    /// started at `last_look`: [`FIRST_LOOK`] after its enqueue at first,
-    /// then more slowly as it stays open (a quarter of its age, between
-    /// [`LOOK_GAP`] and [`SLOWEST_LOOK`]).
+    /// started at `last_look`: at once until it has been waited for, then
+    /// [`FIRST_LOOK`] after its enqueue at first, then more slowly as it
+    /// stays open (a quarter of its age, between [`LOOK_GAP`] and
+    /// [`SLOWEST_LOOK`]).
     fn next_look(&self, last_look: Option<Instant>) -> Instant {
+        if !self.waited {
+            return self.seen;
+        }
         match (self.looked, last_look) {
             (true, Some(last)) => last + ((last - self.seen) / 4).clamp(LOOK_GAP, SLOWEST_LOOK),
             _ => self.seen + FIRST_LOOK,
@@ -227,7 +265,7 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
         if look_at.is_some_and(|at| at <= now) {
             last_look = Some(now);
             let notify = notify_allowed(now) <= now;
-            if look(&inner, notify).await {
+            if look(&inner, notify, to_wait_for(&inner)).await {
                 last_notify = Some(now);
             }
             continue;
@@ -255,6 +293,18 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
     }
 }
 
+/// The oldest watched transaction not yet waited for, marked as waited for.
+fn to_wait_for(inner: &Inner) -> Option<u64> {
+    let mut state = lock(&inner.state);
+    let (&xid, watched) = state
+        .watching
+        .iter_mut()
+        .filter(|(_, w)| !w.waited)
+        .min_by_key(|(_, w)| w.seen)?;
+    watched.waited = true;
+    Some(xid)
+}
+
 /// One look at every watched transaction's status, in one statement that
 /// also sends the `NOTIFY` when `notify` and any has committed (the
 /// notification goes out as the look's own transaction commits, right
@@ -262,22 +312,36 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
 /// snapshot sees it (`pg_visible_in_snapshot`): the commit log says
 /// "committed" a moment before the transaction leaves the list of running
 /// ones, and a relay woken in that moment would claim without seeing its
-/// messages. Returns whether the `NOTIFY` was sent.
-async fn look(inner: &Inner, notify: bool) -> bool {
+/// messages. With `wait_for`, the statement first waits (at most
+/// [`WAIT_AT_MOST`]) for that transaction to end. Returns whether the
+/// `NOTIFY` was sent.
+async fn look(inner: &Inner, notify: bool, wait_for: Option<u64>) -> bool {
     let watching: Vec<u64> = lock(&inner.state).watching.keys().copied().collect();
     if watching.is_empty() {
         return false;
     }
     let ids: Vec<String> = watching.iter().map(u64::to_string).collect();
-    let rows: Vec<PgRow> = match sqlx::query(AssertSqlSafe(inner.sql.look.as_str()))
+    let statement = match wait_for {
+        Some(_) => WAIT_LOOK,
+        None => inner.sql.look.as_str(),
+    };
+    let mut query = sqlx::query(AssertSqlSafe(statement))
         .bind(&ids)
         .bind(notify)
         .bind(&inner.channel)
-        .bind(&inner.token)
-        .fetch_all(&inner.pool)
-        .await
-    {
+        .bind(&inner.token);
+    if let Some(xid) = wait_for {
+        query = query
+            .bind(own_lock_key(xid))
+            .bind(WAIT_AT_MOST)
+            .bind(xid.to_string());
+    }
+    let rows: Vec<PgRow> = match query.fetch_all(&inner.pool).await {
         Ok(rows) => rows,
+        // Still open after the wait: it is looked at from now on.
+        Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03") => {
+            return false;
+        }
         Err(e) => {
             // Cannot tell: announce them as if committed (a wake-up too
             // many costs one empty claim) and stop watching them; a

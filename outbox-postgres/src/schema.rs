@@ -71,6 +71,69 @@ impl Names {
     }
 }
 
+/// The class (first key) of the advisory lock every enqueuing transaction
+/// takes on its own id ([`OWN_LOCK`]), the same for every outbox table.
+macro_rules! own_lock_class {
+    () => {
+        "1868723320"
+    };
+}
+
+/// The lock an enqueuing transaction holds on itself until it ends: an
+/// advisory lock (class `own_lock_class!()`, key the low 31 bits of its
+/// id), taken with its id before its first row. The commit watcher waits
+/// for it ([`WAIT_LOOK`]) and so learns of the commit as it happens,
+/// without asking again and again. No two live transactions share it
+/// (their ids would have to be 2³¹ apart), so writers never wait for each
+/// other on it. Only this crate's enqueues take locks of this class.
+const OWN_LOCK: &str = concat!(
+    "pg_advisory_xact_lock(",
+    own_lock_class!(),
+    ", (pg_current_xact_id()::text::int8 % 2147483648)::int4)"
+);
+
+/// The commit watcher's look that first waits for one transaction to end
+/// (src/announce.rs): `$5` its [`own_lock_key`], `$6` how long to wait
+/// (a `lock_timeout`; past it the statement fails with `55P03` and the
+/// watcher asks as before), `$7` its id; then as [`Sql::look`], except
+/// that the waited transaction's status is taken as the commit log gives
+/// it. The snapshot of this statement was taken before the wait and still
+/// lists it as running, but a transaction gives up its locks only after
+/// it has left the list of running ones, so a relay woken now sees its
+/// messages.
+pub(crate) const WAIT_LOOK: &str = concat!(
+    "WITH w AS MATERIALIZED (
+       SELECT pg_advisory_xact_lock_shared(",
+    own_lock_class!(),
+    ", $5::int4) AS waited
+       FROM (SELECT set_config('lock_timeout', $6, true)) AS t),
+     s AS MATERIALIZED (
+       SELECT x, CASE
+         WHEN st = 'committed' AND x <> $7
+          AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
+         THEN 'in progress' ELSE st END AS status
+       FROM unnest($1::text[]) AS x,
+            LATERAL (SELECT pg_xact_status(x::xid8) AS st FROM w) AS l),
+     n AS MATERIALIZED (
+       SELECT pg_notify($3, $4) FROM s WHERE $2 AND status = 'committed' LIMIT 1)
+     SELECT x, status, (SELECT count(*) FROM n) > 0 FROM s"
+);
+
+/// The column that takes [`OWN_LOCK`] in an insert's first step, or
+/// nothing.
+fn own_lock_column(take: bool) -> String {
+    if take {
+        format!(", {OWN_LOCK} AS own_lock")
+    } else {
+        String::new()
+    }
+}
+
+/// The key of [`OWN_LOCK`] for transaction `xid`.
+pub(crate) fn own_lock_key(xid: u64) -> i32 {
+    (xid % (1 << 31)) as i32
+}
+
 /// The advisory lock that serialises migrations, across every schema.
 pub(crate) fn migration_lock() -> i64 {
     fnv1a("outbox-rs migrations") as i64
@@ -235,6 +298,10 @@ pub(crate) struct Sql {
     /// The floor's check (`$1` the candidate's transaction id, `$2` the
     /// lowest `seq` to look from): ready, and the lowest pending `seq`.
     pub floor_check: String,
+    /// Whether enqueues take their transaction's own lock (`OWN_LOCK`):
+    /// only when their commits are announced, since only the commit
+    /// watcher waits for it.
+    own_lock: bool,
     /// Built on first use.
     rare: OnceLock<Rare>,
 }
@@ -271,8 +338,14 @@ impl Sql {
     /// own commits wait for a WAL flush like any other (see
     /// [`NO_FLUSH`]); without `keep_processed` a completion deletes the
     /// message.
-    pub(crate) fn new(names: Names, durable_bookkeeping: bool, keep_processed: bool) -> Sql {
+    pub(crate) fn new(
+        names: Names,
+        durable_bookkeeping: bool,
+        keep_processed: bool,
+        own_lock: bool,
+    ) -> Sql {
         let s = &names.schema;
+        let lock = own_lock_column(own_lock);
         let t = format!(r#""{s}"."{}""#, names.outbox);
         let seed = names.key_lock_seed();
         let values = "$1, $2, $3, $4, $5, $6, $7, $8, $9::jsonb, $10, $11, $12";
@@ -325,7 +398,7 @@ impl Sql {
             // `seq` (the materialized `first` is evaluated before the row is
             // made): the claim's floor relies on it (src/floor.rs).
             insert: format!(
-                "WITH first AS MATERIALIZED (SELECT pg_current_xact_id() AS xid) \
+                "WITH first AS MATERIALIZED (SELECT pg_current_xact_id() AS xid{lock}) \
                  INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} FROM first \
                  RETURNING pg_current_xact_id()::text"
             ),
@@ -333,7 +406,7 @@ impl Sql {
             // its `seq`) is made: a later enqueue of the key waits for this
             // transaction to end, then draws a higher `seq`.
             insert_keyed: format!(
-                "WITH first AS MATERIALIZED (SELECT pg_current_xact_id() AS xid, \
+                "WITH first AS MATERIALIZED (SELECT pg_current_xact_id() AS xid{lock}, \
                    pg_advisory_xact_lock(hashtextextended($4, {seed})) AS key_lock) \
                  INSERT INTO {t} ({INSERT_COLUMNS}) SELECT {values} FROM first \
                  RETURNING pg_current_xact_id()::text"
@@ -417,6 +490,7 @@ impl Sql {
                    CASE WHEN pg_snapshot_xmin(pg_current_snapshot()) > $1::text::xid8 THEN
                      (SELECT min(seq) FROM {t} WHERE state = 'pending' AND seq >= $2) END"
             ),
+            own_lock,
             rare: OnceLock::new(),
             names,
         };
@@ -445,7 +519,8 @@ impl Sql {
 
     /// The statements built on first use ([`Rare`]).
     pub(crate) fn rare(&self) -> &Rare {
-        self.rare.get_or_init(|| Rare::new(&self.names))
+        self.rare
+            .get_or_init(|| Rare::new(&self.names, self.own_lock))
     }
 
     /// The claim statement; see [`claim_sql`].
@@ -476,7 +551,8 @@ pub(crate) struct Rare {
 }
 
 impl Rare {
-    fn new(names: &Names) -> Rare {
+    fn new(names: &Names, own_lock: bool) -> Rare {
+        let lock = own_lock_column(own_lock);
         let s = &names.schema;
         let t = format!(r#""{s}"."{}""#, names.outbox);
         let i = format!(r#""{s}"."{}""#, names.inbox);
@@ -490,7 +566,7 @@ impl Rare {
             // given.
             insert_many: format!(
                 "WITH key_locks AS MATERIALIZED (
-                   SELECT count(*) AS n, pg_current_xact_id() AS xid FROM (
+                   SELECT count(*) AS n, pg_current_xact_id() AS xid{lock} FROM (
                      SELECT pg_advisory_xact_lock(hashtextextended(k, {seed})) FROM (
                        SELECT DISTINCT k COLLATE \"C\" AS k
                        FROM unnest($4::text[]) AS k WHERE k IS NOT NULL ORDER BY 1) AS keys

@@ -106,7 +106,12 @@ impl PgStore {
             names.schema,
             names.outbox
         );
-        let sql = Arc::new(Sql::new(names, durable_bookkeeping, keep_processed));
+        let sql = Arc::new(Sql::new(
+            names,
+            durable_bookkeeping,
+            keep_processed,
+            announce.is_some(),
+        ));
         let announcer = Announcer::new(
             pool.clone(),
             Arc::clone(&sql),

@@ -350,6 +350,93 @@ async fn other_processes_hear_of_a_commit_after_it_never_from_inside_it() {
     assert!(!notified(&mut raw, Duration::from_millis(300)).await);
 }
 
+/// An enqueuing transaction holds an advisory lock on its own id until it
+/// ends, and the commit watcher waits for that lock instead of asking
+/// after the transaction again and again: while the transaction is open,
+/// `pg_locks` shows the lock held by it and the watcher's request for it
+/// waiting; the commit is then announced. The watcher waits at most 100 ms
+/// for one transaction, so each of up to five attempts (a transaction
+/// each) looks for the waiting request for a second; one sighting passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commit_watcher_waits_for_the_enqueuing_transactions_own_lock() {
+    let f = PgUnderTest::fresh(None).await;
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&f.pg().channel()).await.unwrap();
+    let locks = "SELECT count(*) FILTER (WHERE granted AND mode = 'ExclusiveLock'), \
+                        count(*) FILTER (WHERE NOT granted AND mode = 'ShareLock') \
+                 FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868723320 \
+                   AND objid::int8 = $1 AND objsubid = 2";
+    let mut seen_waiting = false;
+    for _attempt in 0..5 {
+        let mut tx = f.pool().begin().await.unwrap();
+        f.pg().outbox().enqueue(&mut tx, msg(1)).await.unwrap();
+        let xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        while !seen_waiting && started.elapsed() < Duration::from_secs(1) {
+            let (held, waiting): (i64, i64) = sqlx::query_as(locks)
+                .bind(xid % (1 << 31))
+                .fetch_one(f.pool())
+                .await
+                .unwrap();
+            assert_eq!(held, 1, "the enqueuing transaction holds its own lock");
+            seen_waiting = waiting == 1;
+        }
+        tx.commit().await.unwrap();
+        assert!(
+            notified(&mut raw, Duration::from_secs(5)).await,
+            "the commit is announced"
+        );
+        if seen_waiting {
+            break;
+        }
+    }
+    assert!(
+        seen_waiting,
+        "the watcher's request for the transaction's lock was never seen waiting"
+    );
+}
+
+/// An application's writers may run on a runtime of their own that ends
+/// right after their last commit: that commit still wakes the store's
+/// relays (whose poll here is an hour), since the commit watcher runs on
+/// the runtime the store was built on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_on_a_runtime_that_ends_right_after_it_wakes_the_relays() {
+    let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
+    let mut listener = f.pg().listen();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    listens(f.pool(), f.schema()).await;
+    while listener.wait(Duration::from_millis(50)).await {}
+    let (outbox, url) = (f.pg().outbox(), f.url().to_owned());
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .unwrap();
+            let mut tx = pool.begin().await.unwrap();
+            outbox.enqueue(&mut tx, msg(1)).await.unwrap();
+            tx.commit().await.unwrap();
+        });
+        // The writers' runtime ends here.
+    })
+    .join()
+    .unwrap();
+    assert!(
+        listener.wait(Duration::from_secs(10)).await,
+        "the last commit of a runtime that has ended must wake the relays"
+    );
+}
+
 /// An enqueue in a savepoint that is rolled back leaves the transaction
 /// watched: its later enqueue and commit are announced, and the rolled-back
 /// message is never seen.
