@@ -20,7 +20,8 @@
 //
 // Environment: DATABASE_URL (default postgres://postgres@127.0.0.1:5432/test),
 // PG_WORKER (the built example), ROUNDS (3), DRAIN_N (50000), RATE (500),
-// LATENCY_N (5000).
+// LATENCY_N (5000); SIDES (e.g. `outbox`) runs one side only, ONLY=latency
+// the latency figures only.
 
 import { spawn } from "node:child_process";
 import { createInterface } from "node:readline";
@@ -281,7 +282,7 @@ async function main() {
       (s) => !process.env.SIDES || process.env.SIDES.split(",").includes(s),
     );
     for (const side of sides) {
-      for (const procs of [1, 2]) {
+      for (const procs of process.env.ONLY === "latency" ? [] : [1, 2]) {
         if (side === "graphile") {
           add(`drain, ${procs} process(es) | graphile-worker`, await graphileDrain(procs, n));
         } else {
