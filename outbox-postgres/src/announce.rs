@@ -220,7 +220,8 @@ struct Watched {
     /// Whether a look has found it still open.
     looked: bool,
     /// Whether the watcher has waited for it to end (whether or not it
-    /// did): it is waited for once, then looked at.
+    /// did, or could not spare a connection for it): it is waited for
+    /// once, then looked at.
     waited: bool,
 }
 
@@ -305,6 +306,14 @@ fn to_wait_for(inner: &Inner) -> Option<u64> {
     Some(xid)
 }
 
+/// An idle connection of `pool` for a wait, if taking it leaves the pool
+/// another one idle or room to open one.
+fn spare_connection(pool: &PgPool) -> Option<sqlx::pool::PoolConnection<sqlx::Postgres>> {
+    let conn = pool.try_acquire()?;
+    let room = pool.size() < pool.options().get_max_connections();
+    (pool.num_idle() > 0 || room).then_some(conn)
+}
+
 /// One look at every watched transaction's status, in one statement that
 /// also sends the `NOTIFY` when `notify` and any has committed (the
 /// notification goes out as the look's own transaction commits, right
@@ -321,7 +330,11 @@ async fn look(inner: &Inner, notify: bool, wait_for: Option<u64>) -> bool {
         return false;
     }
     let ids: Vec<String> = watching.iter().map(u64::to_string).collect();
-    let statement = match wait_for {
+    // The wait holds a connection until the transaction ends: never the
+    // pool's last one (a pool of one connection, a fleet's pinned pool,
+    // serves the relays' claims; it only looks).
+    let waiting = wait_for.and_then(|xid| Some((xid, spare_connection(&inner.pool)?)));
+    let statement = match waiting {
         Some(_) => WAIT_LOOK,
         None => inner.sql.look.as_str(),
     };
@@ -330,13 +343,17 @@ async fn look(inner: &Inner, notify: bool, wait_for: Option<u64>) -> bool {
         .bind(notify)
         .bind(&inner.channel)
         .bind(&inner.token);
-    if let Some(xid) = wait_for {
-        query = query
-            .bind(own_lock_key(xid))
-            .bind(WAIT_AT_MOST)
-            .bind(xid.to_string());
-    }
-    let rows: Vec<PgRow> = match query.fetch_all(&inner.pool).await {
+    let result = match waiting {
+        Some((xid, mut conn)) => {
+            query = query
+                .bind(own_lock_key(xid))
+                .bind(WAIT_AT_MOST)
+                .bind(xid.to_string());
+            query.fetch_all(&mut *conn).await
+        }
+        None => query.fetch_all(&inner.pool).await,
+    };
+    let rows: Vec<PgRow> = match result {
         Ok(rows) => rows,
         // Still open after the wait: it is looked at from now on.
         Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03") => {

@@ -399,6 +399,50 @@ async fn the_commit_watcher_waits_for_the_enqueuing_transactions_own_lock() {
     );
 }
 
+/// A store whose pool has one connection (a fleet's pinned pool) never
+/// holds it in a wait, which would stall its relays' claims behind an open
+/// application transaction: the watcher only looks, and the commit is
+/// still announced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_of_one_connection_is_never_held_by_the_watchers_wait() {
+    let f = PgUnderTest::fresh(None).await;
+    let store = PgStore::builder(f.url())
+        .schema(f.schema())
+        .table("test_outbox")
+        .inbox_table("test_inbox")
+        .max_connections(1)
+        .connect()
+        .await
+        .expect("a store with a pool of one connection");
+    let mut raw = PgListener::connect(f.url()).await.unwrap();
+    raw.listen(&store.channel()).await.unwrap();
+    let locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
+                 AND classid = 1868723320 AND objid::int8 = $1 AND objsubid = 2 AND NOT granted";
+    let mut tx = f.pool().begin().await.unwrap();
+    store.outbox().enqueue(&mut tx, msg(1)).await.unwrap();
+    let xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(300) {
+        let waiting: i64 = sqlx::query_scalar(locks)
+            .bind(xid % (1 << 31))
+            .fetch_one(f.pool())
+            .await
+            .unwrap();
+        assert_eq!(
+            waiting, 0,
+            "the store's only connection waits for the transaction"
+        );
+    }
+    tx.commit().await.unwrap();
+    assert!(
+        notified(&mut raw, Duration::from_secs(5)).await,
+        "the commit is announced"
+    );
+}
+
 /// An application's writers may run on a runtime of their own that ends
 /// right after their last commit: that commit still wakes the store's
 /// relays (whose poll here is an hour), since the commit watcher runs on
