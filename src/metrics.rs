@@ -172,15 +172,16 @@ pub fn describe() {
 
 /// Bucket bounds (seconds) of the duration histograms ([`DELIVERY_LAG`],
 /// [`PROCESS_DURATION`], [`OPERATION_DURATION`]) in
-/// [`prometheus_recorder`]: half a millisecond to an hour, so that the
-/// milliseconds of a healthy relay and the minutes of an outage both land
-/// in a bucket of their own.
+/// `prometheus_recorder` (feature `prometheus`): half a millisecond to an
+/// hour, so that the milliseconds of a healthy relay and the minutes of an
+/// outage both land in a bucket of their own.
 pub const SECONDS_BUCKETS: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
     60.0, 300.0, 900.0, 3600.0,
 ];
 
-/// Bucket bounds of [`CLAIM_SIZE`] in [`prometheus_recorder`] (messages).
+/// Bucket bounds of [`CLAIM_SIZE`] in `prometheus_recorder` (feature
+/// `prometheus`; messages).
 pub const CLAIM_SIZE_BUCKETS: &[f64] = &[
     0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0,
 ];
