@@ -166,6 +166,20 @@ impl PgUnderTest {
         &self.url
     }
 
+    /// Another store on the fixture's tables, with a pool of `connections`
+    /// of its own: none of the fixture's store's in-process signals reach
+    /// it, as with a store in another process.
+    pub async fn second_store(&self, connections: u32) -> PgStore {
+        PgStore::builder(&self.url)
+            .schema(&self.schema)
+            .table("test_outbox")
+            .inbox_table("test_inbox")
+            .max_connections(connections)
+            .connect()
+            .await
+            .expect("a second store on the same table")
+    }
+
     /// Shared buffers one claim of `limit` touches walking from `floor`
     /// (`(seq, retry generation)`, as [`PgStore::claim_floor`] gives it;
     /// `(0, -1)` walks from the start), run as the relay runs it under

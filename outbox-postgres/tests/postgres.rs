@@ -322,6 +322,46 @@ async fn a_corrupt_row_poisons_only_itself() {
     assert!(note.contains("headers"), "{note}");
 }
 
+/// The fixture's store's listener, listening, with the change its first
+/// connection reports (a catch-up claim) taken.
+async fn quiet_listener(f: &PgUnderTest) -> Box<dyn outbox_api::WorkListener> {
+    let mut listener = f.pg().listen();
+    assert!(listener.wait(Duration::from_secs(10)).await);
+    listens(f.pool(), f.schema()).await;
+    while listener.wait(Duration::from_millis(50)).await {}
+    listener
+}
+
+/// Counts, in `pg_locks`, the requests for the own lock of transaction
+/// `xid` (see `schema::OWN_LOCK`): held exclusively, and waiting (shared).
+async fn own_lock_requests(pool: &sqlx::PgPool, xid: i64) -> (i64, i64) {
+    sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE granted AND mode = 'ExclusiveLock'), \
+                count(*) FILTER (WHERE NOT granted AND mode = 'ShareLock') \
+         FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868723320 \
+           AND objid::int8 = $1 AND objsubid = 2",
+    )
+    .bind(xid % (1 << 31))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// A transaction on `pool` that has enqueued one message into `store`'s
+/// outbox and stays open, and its id.
+async fn enqueue_and_stay_open(
+    pool: &sqlx::PgPool,
+    store: &PgStore,
+) -> (sqlx::Transaction<'static, sqlx::Postgres>, i64) {
+    let mut tx = pool.begin().await.unwrap();
+    store.outbox().enqueue(&mut tx, msg(1)).await.unwrap();
+    let xid = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    (tx, xid)
+}
+
 /// Waits for a notification on `listener`, or `None` after `within`.
 async fn notified(listener: &mut PgListener, within: Duration) -> bool {
     tokio::time::timeout(within, listener.recv()).await.is_ok()
@@ -362,25 +402,12 @@ async fn the_commit_watcher_waits_for_the_enqueuing_transactions_own_lock() {
     let f = PgUnderTest::fresh(None).await;
     let mut raw = PgListener::connect(f.url()).await.unwrap();
     raw.listen(&f.pg().channel()).await.unwrap();
-    let locks = "SELECT count(*) FILTER (WHERE granted AND mode = 'ExclusiveLock'), \
-                        count(*) FILTER (WHERE NOT granted AND mode = 'ShareLock') \
-                 FROM pg_locks WHERE locktype = 'advisory' AND classid = 1868723320 \
-                   AND objid::int8 = $1 AND objsubid = 2";
     let mut seen_waiting = false;
     for _attempt in 0..5 {
-        let mut tx = f.pool().begin().await.unwrap();
-        f.pg().outbox().enqueue(&mut tx, msg(1)).await.unwrap();
-        let xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
-            .fetch_one(&mut *tx)
-            .await
-            .unwrap();
+        let (tx, xid) = enqueue_and_stay_open(f.pool(), f.pg()).await;
         let started = tokio::time::Instant::now();
         while !seen_waiting && started.elapsed() < Duration::from_secs(1) {
-            let (held, waiting): (i64, i64) = sqlx::query_as(locks)
-                .bind(xid % (1 << 31))
-                .fetch_one(f.pool())
-                .await
-                .unwrap();
+            let (held, waiting) = own_lock_requests(f.pool(), xid).await;
             assert_eq!(held, 1, "the enqueuing transaction holds its own lock");
             seen_waiting = waiting == 1;
         }
@@ -406,31 +433,13 @@ async fn the_commit_watcher_waits_for_the_enqueuing_transactions_own_lock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pool_of_one_connection_is_never_held_by_the_watchers_wait() {
     let f = PgUnderTest::fresh(None).await;
-    let store = PgStore::builder(f.url())
-        .schema(f.schema())
-        .table("test_outbox")
-        .inbox_table("test_inbox")
-        .max_connections(1)
-        .connect()
-        .await
-        .expect("a store with a pool of one connection");
+    let store = f.second_store(1).await;
     let mut raw = PgListener::connect(f.url()).await.unwrap();
     raw.listen(&store.channel()).await.unwrap();
-    let locks = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' \
-                 AND classid = 1868723320 AND objid::int8 = $1 AND objsubid = 2 AND NOT granted";
-    let mut tx = f.pool().begin().await.unwrap();
-    store.outbox().enqueue(&mut tx, msg(1)).await.unwrap();
-    let xid: i64 = sqlx::query_scalar("SELECT pg_current_xact_id()::text::int8")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+    let (tx, xid) = enqueue_and_stay_open(f.pool(), &store).await;
     let started = tokio::time::Instant::now();
     while started.elapsed() < Duration::from_millis(300) {
-        let waiting: i64 = sqlx::query_scalar(locks)
-            .bind(xid % (1 << 31))
-            .fetch_one(f.pool())
-            .await
-            .unwrap();
+        let (_, waiting) = own_lock_requests(f.pool(), xid).await;
         assert_eq!(
             waiting, 0,
             "the store's only connection waits for the transaction"
@@ -450,10 +459,7 @@ async fn a_pool_of_one_connection_is_never_held_by_the_watchers_wait() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_on_a_runtime_that_ends_right_after_it_wakes_the_relays() {
     let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
-    let mut listener = f.pg().listen();
-    assert!(listener.wait(Duration::from_secs(10)).await);
-    listens(f.pool(), f.schema()).await;
-    while listener.wait(Duration::from_millis(50)).await {}
+    let mut listener = quiet_listener(&f).await;
     let (outbox, url) = (f.pg().outbox(), f.url().to_owned());
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -546,19 +552,8 @@ async fn notifications_are_debounced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_processs_commit_wakes_a_listener_through_notify_not_polling() {
     let f = PgUnderTest::fresh_with(None, |b| b.poll_interval(Duration::from_secs(3600))).await;
-    let mut listener = f.pg().listen();
-    // Its first connection reports a change (a catch-up claim).
-    assert!(listener.wait(Duration::from_secs(10)).await);
-    listens(f.pool(), f.schema()).await;
-    while listener.wait(Duration::from_millis(50)).await {}
-    let other = PgStore::builder(f.url())
-        .schema(f.schema())
-        .table("test_outbox")
-        .inbox_table("test_inbox")
-        .max_connections(2)
-        .connect()
-        .await
-        .expect("a second store on the same table");
+    let mut listener = quiet_listener(&f).await;
+    let other = f.second_store(2).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
         .connect(f.url())

@@ -30,14 +30,7 @@ async fn named_pool(name: &str) -> PgPool {
 /// in-process wake-up reaches the listeners, only `NOTIFY`. The store is
 /// returned: it announces the commit after it, from a task of its own.
 async fn commit_elsewhere(f: &PgUnderTest) -> PgStore {
-    let other = PgStore::builder(f.url())
-        .schema(f.schema())
-        .table("test_outbox")
-        .inbox_table("test_inbox")
-        .max_connections(1)
-        .connect()
-        .await
-        .expect("a second store on the same table");
+    let other = f.second_store(1).await;
     // On the second store's pool: `f`'s may belong to a runtime gone.
     commit_one(&other).await;
     other
