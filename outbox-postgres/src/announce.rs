@@ -6,7 +6,7 @@
 //! transaction's id (`pg_current_xact_id()`), and a small task per store
 //! watches those ids until each has committed (announce) or rolled back
 //! (forget). Each enqueuing transaction holds an advisory lock on its own
-//! id until it ends (`schema::OWN_LOCK`): the watcher waits for that lock,
+//! id until it ends (`own_lock::OWN_LOCK`): the watcher waits for that lock,
 //! oldest transaction first, and looks at every watched one the moment it
 //! is granted. A transaction still open after [`WAIT_AT_MOST`] is asked
 //! after with `pg_xact_status` instead, more slowly the longer it stays
@@ -24,7 +24,8 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::schema::{Sql, WAIT_LOOK, own_lock_key};
+use crate::own_lock::{WAIT_LOOK, own_lock_key};
+use crate::schema::Sql;
 
 /// How long after an enqueue its transaction is first looked at. The
 /// application commits right after its last statement (one round trip, a

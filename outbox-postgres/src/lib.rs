@@ -13,6 +13,7 @@ mod listener;
 mod migrate;
 mod operator;
 mod outbox;
+mod own_lock;
 mod row;
 mod schema;
 mod shared_listener;

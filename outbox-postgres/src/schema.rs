@@ -7,6 +7,7 @@ use outbox_api::backend::{validate_schema_name, validate_table_name};
 use outbox_api::{Error, Result};
 
 use crate::claim_sql::{RETRIES_GENERATION, claim_sql, floor_cte, sequences};
+use crate::own_lock::own_lock_column;
 
 /// Default PostgreSQL schema.
 pub const DEFAULT_SCHEMA: &str = "public";
@@ -71,74 +72,6 @@ impl Names {
     }
 }
 
-/// The class (first key) of the advisory lock every enqueuing transaction
-/// takes on its own id ([`OWN_LOCK`]), the same for every outbox table.
-macro_rules! own_lock_class {
-    () => {
-        "1868723320"
-    };
-}
-
-/// The lock an enqueuing transaction holds on itself until it ends: an
-/// advisory lock (class `own_lock_class!()`, key the low 31 bits of its
-/// id), taken with its id before its first row. The commit watcher waits
-/// for it ([`WAIT_LOOK`]) and so learns of the commit as it happens,
-/// without asking again and again. No two live transactions share it
-/// (their ids would have to be 2³¹ apart), so writers never wait for each
-/// other on it. Only this crate's enqueues take locks of this class.
-const OWN_LOCK: &str = concat!(
-    "pg_advisory_xact_lock(",
-    own_lock_class!(),
-    ", (pg_current_xact_id()::text::int8 % 2147483648)::int4)"
-);
-
-/// The commit watcher's look that first waits for one transaction to end
-/// (src/announce.rs): `$5` its [`own_lock_key`], `$6` how long to wait
-/// (a `lock_timeout`; past it the statement fails with `55P03` and the
-/// watcher asks as before), `$7` its id; then as [`Sql::look`], except
-/// that when the transaction held its lock as the statement began
-/// (`held`), its status is taken as the commit log gives it. The snapshot
-/// of this statement was taken before the wait and still lists it as
-/// running, but a transaction gives up its locks only after it has left
-/// the list of running ones, so a relay woken now sees its messages. A
-/// lock that was not held (a savepoint rolled back, an older release's
-/// enqueue) proves nothing: that transaction is judged by the snapshot.
-pub(crate) const WAIT_LOOK: &str = concat!(
-    "WITH w AS MATERIALIZED (
-       SELECT held, pg_advisory_xact_lock_shared(",
-    own_lock_class!(),
-    ", $5::int4) AS waited
-       FROM (SELECT set_config('lock_timeout', $6, true) AS timeout,
-                    NOT pg_try_advisory_xact_lock_shared(",
-    own_lock_class!(),
-    ", $5::int4) AS held) AS t),
-     s AS MATERIALIZED (
-       SELECT x, CASE
-         WHEN st = 'committed' AND NOT (x = $7 AND l.held)
-          AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
-         THEN 'in progress' ELSE st END AS status
-       FROM unnest($1::text[]) AS x,
-            LATERAL (SELECT pg_xact_status(x::xid8) AS st, held FROM w) AS l),
-     n AS MATERIALIZED (
-       SELECT pg_notify($3, $4) FROM s WHERE $2 AND status = 'committed' LIMIT 1)
-     SELECT x, status, (SELECT count(*) FROM n) > 0 FROM s"
-);
-
-/// The column that takes [`OWN_LOCK`] in an insert's first step, or
-/// nothing.
-fn own_lock_column(take: bool) -> String {
-    if take {
-        format!(", {OWN_LOCK} AS own_lock")
-    } else {
-        String::new()
-    }
-}
-
-/// The key of [`OWN_LOCK`] for transaction `xid`.
-pub(crate) fn own_lock_key(xid: u64) -> i32 {
-    (xid % (1 << 31)) as i32
-}
-
 /// The advisory lock that serialises migrations, across every schema.
 pub(crate) fn migration_lock() -> i64 {
     fnv1a("outbox-rs migrations") as i64
@@ -146,7 +79,7 @@ pub(crate) fn migration_lock() -> i64 {
 
 /// FNV-1a, 64 bits: a stable hash (unlike `std`'s), so every process derives
 /// the same lock keys from the same names.
-fn fnv1a(text: &str) -> u64 {
+pub(crate) fn fnv1a(text: &str) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in text.bytes() {
         hash ^= u64::from(byte);

@@ -9,6 +9,7 @@ use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::error::from_sqlx;
+use crate::schema::fnv1a;
 
 /// How many prepared statements each connection keeps: a few per store
 /// for the stores pinned to it (claim, completion, failure, release, the
@@ -84,11 +85,9 @@ impl PgTenantPools {
     /// The pool of the store named `name` (its schema, say): always the same
     /// one for a name, the names spread evenly over the pools.
     pub fn for_name(&self, name: &str) -> &PgPool {
-        // FNV-1a: stable across processes and releases, unlike the
-        // standard library's hasher.
-        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        });
+        // Stable across processes and releases, unlike the standard
+        // library's hasher.
+        let hash = fnv1a(name);
         &self.pools[(hash % self.pools.len() as u64) as usize]
     }
 

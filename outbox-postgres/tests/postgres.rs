@@ -333,7 +333,7 @@ async fn quiet_listener(f: &PgUnderTest) -> Box<dyn outbox_api::WorkListener> {
 }
 
 /// Counts, in `pg_locks`, the requests for the own lock of transaction
-/// `xid` (see `schema::OWN_LOCK`): held exclusively, and waiting (shared).
+/// `xid` (see `own_lock::OWN_LOCK`): held exclusively, and waiting (shared).
 async fn own_lock_requests(pool: &sqlx::PgPool, xid: i64) -> (i64, i64) {
     sqlx::query_as(
         "SELECT count(*) FILTER (WHERE granted AND mode = 'ExclusiveLock'), \
