@@ -18,6 +18,7 @@
 //!   shared one).
 //!
 //! The tests themselves are in `tests/`; see the crate's README.
+#![forbid(unsafe_code)]
 
 mod args;
 pub mod check;

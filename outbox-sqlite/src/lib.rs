@@ -1,5 +1,7 @@
 #![doc = include_str!("../README.md")]
-#![forbid(unsafe_code)]
+// One call into SQLite's C API has no safe wrapper in sqlx: the busy
+// handler of an application's connection (`lock_wait::install_on_sqlx`).
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 // Without a driver feature the enqueue plumbing (statements, encoding) has
 // no caller: a store for relays and operators only.

@@ -45,6 +45,46 @@ pub(crate) fn with_timeout<T>(timeout: Duration, f: impl FnOnce() -> T) -> T {
 /// SQLite's busy handler: `tries` is how many times it was called before
 /// for this lock; `false` gives up (`SQLITE_BUSY`).
 fn wait_for_lock(tries: i32) -> bool {
+    wait(tries, TIMEOUT.get())
+}
+
+/// Makes an application's connection (`db`, from sqlx or rusqlite) wait
+/// for locks in the same short steps, up to `timeout` — its own
+/// `busy_timeout`, which this handler replaces (SQLite keeps one busy
+/// handler per connection).
+///
+/// # Safety
+/// `db` must be an open connection that no other thread uses during the
+/// call, and it must not be closed before the call returns.
+#[allow(unsafe_code)]
+pub(crate) unsafe fn install_on(
+    db: *mut rusqlite::ffi::sqlite3,
+    timeout: Duration,
+) -> rusqlite::Result<()> {
+    use std::ffi::{c_int, c_void};
+    /// The handler SQLite calls: its argument is the timeout in
+    /// milliseconds, carried in the pointer's value (nothing to free).
+    extern "C" fn on_busy(timeout_ms: *mut c_void, tries: c_int) -> c_int {
+        let timeout = Duration::from_millis(timeout_ms as usize as u64);
+        c_int::from(wait(tries, timeout))
+    }
+    let ms = usize::try_from(timeout.as_millis()).unwrap_or(usize::MAX);
+    // SAFETY: the caller vouches for `db`; the handler reads its argument
+    // as an integer, never as a pointer, so it needs no lifetime.
+    let rc = unsafe { rusqlite::ffi::sqlite3_busy_handler(db, Some(on_busy), ms as *mut c_void) };
+    if rc == rusqlite::ffi::SQLITE_OK {
+        Ok(())
+    } else {
+        Err(rusqlite::Error::SqliteFailure(
+            rusqlite::ffi::Error::new(rc),
+            None,
+        ))
+    }
+}
+
+/// Pauses before the next try of a lock, unless `timeout` has passed since
+/// the first try (then `false`: give up).
+fn wait(tries: i32, timeout: Duration) -> bool {
     let now = Instant::now();
     let since = match SINCE.get() {
         Some(since) if tries > 0 => since,
@@ -53,7 +93,7 @@ fn wait_for_lock(tries: i32) -> bool {
             now
         }
     };
-    let left = TIMEOUT.get().saturating_sub(now.duration_since(since));
+    let left = timeout.saturating_sub(now.duration_since(since));
     if left.is_zero() {
         return false;
     }

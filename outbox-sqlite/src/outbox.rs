@@ -15,12 +15,20 @@ use crate::listener::Signals;
 
 #[cfg(any(feature = "sqlx", feature = "rusqlite"))]
 use crate::error::duplicate_id;
+#[cfg(any(feature = "sqlx", feature = "rusqlite"))]
+use crate::error::from_rusqlite;
 #[cfg(feature = "sqlx")]
 use crate::error::from_sqlx;
 #[cfg(feature = "rusqlite")]
-use crate::error::{from_rusqlite, is_unique_violation};
+use crate::error::is_unique_violation;
 use crate::row::Encoded;
 use crate::schema::Sql;
+
+/// A connection's `PRAGMA busy_timeout` (milliseconds) as a duration.
+#[cfg(any(feature = "sqlx", feature = "rusqlite"))]
+fn busy_timeout(ms: i64) -> std::time::Duration {
+    std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
 
 /// Writes messages (and inbox entries) into the application's own
 /// transaction, with either driver. Get one from
@@ -180,8 +188,22 @@ impl SqliteOutbox {
     /// transactions run longer). Call it once per connection, e.g. from
     /// `SqlitePoolOptions::after_connect`. It replaces any update, commit and
     /// rollback hooks set on the connection before.
+    ///
+    /// It also replaces the connection's busy handler with the store's: a
+    /// connection that meets the write lock held (by a relay's claim or
+    /// completion, say) tries again after 50 µs, 100 µs, … up to 1 ms
+    /// between tries, for as long as the connection's own `busy_timeout`,
+    /// instead of SQLite's 1, 2, 5, 10 … ms. A relay's transaction holds the
+    /// lock for well under a millisecond, so SQLite's first pause alone was
+    /// longer than the wait; on a connection that all of an application's
+    /// writes share, those pauses were its throughput
+    /// (`docs/latency.md`).
     #[cfg(feature = "sqlx")]
     pub async fn attach(&self, conn: &mut sqlx::SqliteConnection) -> Result<()> {
+        let timeout_ms: i64 = sqlx::query_scalar("PRAGMA busy_timeout")
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| from_sqlx(e, "reading the busy timeout", self.table()))?;
         let mut handle = conn
             .lock_handle()
             .await
@@ -201,10 +223,17 @@ impl SqliteOutbox {
             true // go on committing
         });
         handle.set_rollback_hook(move || dirty.store(false, Ordering::Relaxed));
+        let db = handle.as_raw_handle().as_ptr();
+        // SAFETY: `handle` keeps the connection open and locked for us: no
+        // statement runs on it during the call.
+        #[allow(unsafe_code)]
+        unsafe { crate::lock_wait::install_on(db, busy_timeout(timeout_ms)) }
+            .map_err(|e| from_rusqlite(e, "installing the busy handler", self.table()))?;
         Ok(())
     }
 
-    /// [`attach`](Self::attach) for a rusqlite connection.
+    /// [`attach`](Self::attach) for a rusqlite connection: the same hooks,
+    /// and the same busy handler within the connection's `busy_timeout`.
     #[cfg(feature = "rusqlite")]
     pub fn attach_rusqlite(&self, conn: &rusqlite::Connection) -> Result<()> {
         let fail = |e| from_rusqlite(e, "attaching commit hooks", self.table());
@@ -225,6 +254,14 @@ impl SqliteOutbox {
         }))
         .map_err(fail)?;
         conn.rollback_hook(Some(move || dirty.store(false, Ordering::Relaxed)))
+            .map_err(fail)?;
+        let timeout_ms = conn
+            .pragma_query_value(None, "busy_timeout", |row| row.get::<_, i64>(0))
+            .map_err(fail)?;
+        // SAFETY: `conn` is open and borrowed by this call: no other thread
+        // uses it meanwhile.
+        #[allow(unsafe_code)]
+        unsafe { crate::lock_wait::install_on(conn.handle(), busy_timeout(timeout_ms)) }
             .map_err(fail)?;
         Ok(())
     }

@@ -38,6 +38,7 @@
 //! minishop --amqp URL --postgres URL --role ordering --orders 500
 //! # the same over NATS: --nats nats://127.0.0.1:4222 instead of --amqp URL
 //! ```
+#![forbid(unsafe_code)]
 
 mod amqp;
 mod consumer;
