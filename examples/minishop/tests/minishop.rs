@@ -127,27 +127,29 @@ fn two_hundred_orders_on_the_embedded_bus() {
 #[test]
 fn two_hundred_orders_through_rabbitmq() {
     let url = outbox_api::testing::service_url(&outbox_rabbitmq::testing::RABBITMQ);
-    let dir = tempfile::tempdir().unwrap();
-    let f = run(
-        minishop()
-            .args([
-                "--orders",
-                "200",
-                "--isolated",
-                "--timeout",
-                "60s",
-                "--amqp",
-                &url,
-            ])
-            .arg("--data-dir")
-            .arg(dir.path()),
-        Duration::from_secs(90),
-    );
-    check_load_run(&f, 200);
-    assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
-    if let Some(pw) = password(&url) {
-        assert!(!f.stdout.contains(&format!(":{pw}@")), "password printed");
-        assert!(!f.stderr.contains(&format!(":{pw}@")), "password printed");
+    // Each module on partition queues (the default), then on one queue each.
+    for partitions in ["6", "0"] {
+        let dir = tempfile::tempdir().unwrap();
+        let f = run(
+            minishop()
+                .args(["--orders", "200", "--isolated", "--timeout", "60s"])
+                .args(["--partitions", partitions, "--amqp", &url])
+                .arg("--data-dir")
+                .arg(dir.path()),
+            Duration::from_secs(90),
+        );
+        check_load_run(&f, 200);
+        assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
+        assert_eq!(
+            f.stdout.contains("the warehouse consumes 6 partitions"),
+            partitions == "6",
+            "--partitions {partitions}: {}",
+            f.stdout
+        );
+        if let Some(pw) = password(&url) {
+            assert!(!f.stdout.contains(&format!(":{pw}@")), "password printed");
+            assert!(!f.stderr.contains(&format!(":{pw}@")), "password printed");
+        }
     }
 }
 
@@ -706,6 +708,22 @@ fn bad_input_is_one_line_without_secrets() {
         limit,
     );
     assert_one_line_error(&f, "127.0.0.1:1");
+
+    // One queue per module cannot be shared by processes of one module.
+    let f = run(
+        minishop().args([
+            "--role",
+            "warehouse",
+            "--partitions",
+            "0",
+            "--amqp",
+            "amqp://shop:secretpw@127.0.0.1:5672/%2f",
+            "--postgres",
+            "postgres://shop:secretpw@127.0.0.1:5432/test",
+        ]),
+        limit,
+    );
+    assert_one_line_error(&f, "--partitions 0 (one queue per module) needs --role all");
 
     // PostgreSQL: a URL of another scheme, an unreachable server.
     let f = run(
