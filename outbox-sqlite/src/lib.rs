@@ -1,6 +1,6 @@
 #![doc = include_str!("../README.md")]
 // One call into SQLite's C API has no safe wrapper in sqlx: the busy
-// handler of an application's connection (`lock_wait::install_on_sqlx`).
+// handler of an application's connection (`lock_wait::install_on`).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 // Without a driver feature the enqueue plumbing (statements, encoding) has
