@@ -435,9 +435,8 @@ async fn run(args: Args) -> Result<(), Fail> {
     // broker's round trips overlap. On SQLite the workers take turns for
     // the file's write lock, but in short steps (`SqliteOutbox::attach`), so
     // this still pays: at 600 orders/s offered through RabbitMQ, 579–595
-    // sustained against 495–506 on one queue each (docs/latency.md, which
-    // also tells of a stall of the partitioned NATS consumer not yet
-    // fixed). `--partitions 0` keeps one queue per module.
+    // sustained against 495–506 on one queue each (docs/latency.md).
+    // `--partitions 0` keeps one queue per module.
     let partitions = (args.partitions > 0).then_some(args.partitions);
     // A malformed URL fails before anything is touched.
     let bus = match (&args.amqp, &args.nats) {

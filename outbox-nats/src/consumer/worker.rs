@@ -1,10 +1,11 @@
 //! The consume loop: pull, run each message through the inbox in its
 //! key's lane, settle it (acknowledge, retry in place, dead-letter), keep
-//! held messages in progress, pull afresh after a reconnect.
+//! held messages in progress, pull afresh after a reconnect or when a pull
+//! request goes unanswered past its expiry.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_nats::HeaderMap;
 use async_nats::jetstream::consumer::pull::Batch;
@@ -67,6 +68,51 @@ pub(super) struct Worker {
 /// a partition's next owner relies on it.
 pub(super) const PULL_EXPIRY: Duration = Duration::from_secs(1);
 
+/// How long past its expiry a pull request may stay unanswered before the
+/// worker asks for the next one. The server ends an expired request with a
+/// `408` status; when that status does not come (seen under load: one
+/// request in a few runs of MiniShop), async-nats ends the batch only 5 s
+/// after the expiry, and this worker's partition would wait that long.
+const PULL_GRACE: Duration = Duration::from_millis(150);
+
+/// How reading a pull request ended.
+enum Ended {
+    /// Fulfilled, expired, or given up after a reconnect: the next.
+    Done,
+    /// Unanswered past its expiry: read on as the lingering one.
+    Overdue,
+}
+
+/// How many overdue pull requests a worker reads on at once; past that it
+/// waits for the current one as long as async-nats does. Each ends by
+/// itself within 5 s of its expiry.
+const MAX_LINGERING: usize = 4;
+
+/// The next item of the lingering pull requests, the oldest first; those
+/// that ended are dropped. `None` once none is left.
+async fn next_of(
+    lingering: &mut Vec<Batch>,
+) -> Option<Result<jetstream::Message, async_nats::Error>> {
+    std::future::poll_fn(|cx| {
+        let mut i = 0;
+        while i < lingering.len() {
+            match lingering[i].poll_next_unpin(cx) {
+                std::task::Poll::Ready(Some(item)) => return std::task::Poll::Ready(Some(item)),
+                std::task::Poll::Ready(None) => {
+                    lingering.remove(i);
+                }
+                std::task::Poll::Pending => i += 1,
+            }
+        }
+        if lingering.is_empty() {
+            std::task::Poll::Ready(None)
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await
+}
+
 /// A message delivered to this consumer: its stream sequence (the order
 /// it is given back in) and what acknowledges it.
 pub(super) struct Delivery {
@@ -91,20 +137,30 @@ impl Worker {
         let client = self.js.client();
         let mut lost = false;
         let size = self.settings.max_ack_pending.min(1000);
-        // The pull request being read, and the next one, asked for as soon
-        // as the current one has brought all it asked for: the server
-        // delivers into it while this worker handles the last ones, so the
-        // flow does not stop for a round trip every `size` messages.
-        let mut current: Option<(Batch, usize)> = None;
-        let mut queued: Option<Batch> = None;
+        // The pull request being read (with when it was asked for), and the
+        // next one, asked for as soon as the current one has brought all it
+        // asked for: the server delivers into it while this worker handles
+        // the last ones, so the flow does not stop for a round trip every
+        // `size` messages.
+        let mut current: Option<(Batch, usize, Instant)> = None;
+        let mut queued: Option<(Batch, Instant)> = None;
+        // Requests left unanswered past their expiry (`PULL_GRACE`), oldest
+        // first: still read, before the current one, until each ends. The
+        // server serves requests in the order they came, so whatever it
+        // sent into an older one was sent before anything of the later ones;
+        // reading the older first keeps the stream's order.
+        let mut lingering: Vec<Batch> = Vec::new();
         'outer: while !*self.stop.borrow() {
             if current.is_none() {
                 let pulled = match queued.take() {
-                    Some(batch) => Ok(batch),
-                    None => self.pull(&consumer, size).await,
+                    Some(asked) => Ok(asked),
+                    None => {
+                        let asked = Instant::now();
+                        self.pull(&consumer, size).await.map(|b| (b, asked))
+                    }
                 };
                 match pulled {
-                    Ok(batch) => {
+                    Ok((batch, asked)) => {
                         if failures > 0 || (lost && pulled_before) {
                             bump(&self.counters.reconnects);
                         }
@@ -112,7 +168,7 @@ impl Worker {
                         failures = 0;
                         lost = false;
                         self.connected.store(true, Ordering::SeqCst);
-                        current = Some((batch, 0));
+                        current = Some((batch, 0, asked));
                     }
                     Err(e) => {
                         self.connected.store(false, Ordering::SeqCst);
@@ -133,9 +189,10 @@ impl Worker {
                     }
                 }
             }
-            let Some((batch, got)) = current.as_mut() else {
+            let Some((batch, got, asked)) = current.as_mut() else {
                 continue;
             };
+            let overdue = tokio::time::Instant::from_std(*asked + PULL_EXPIRY + PULL_GRACE);
             let ended = loop {
                 tokio::select! {
                     biased;
@@ -151,7 +208,8 @@ impl Worker {
                         } else if lost {
                             tracing::info!(consumer = %self.settings.durable, "NATS connection restored; pulling again");
                             queued = None;
-                            break true;
+                            lingering.clear();
+                            break Ended::Done;
                         }
                     }
                     Some(lane) = self.held.due() => {
@@ -159,31 +217,38 @@ impl Worker {
                             self.run_lane(lane, head).await;
                         }
                     }
+                    Some(next) = next_of(&mut lingering), if !lingering.is_empty() => match next {
+                        Ok(message) => self.on_message(message).await,
+                        Err(e) => self.pull_error(&e),
+                    },
                     next = batch.next() => match next {
                         Some(Ok(message)) => {
                             *got += 1;
                             if *got == size && queued.is_none() {
-                                queued = self.pull(&consumer, size).await.ok();
+                                let asked = Instant::now();
+                                queued = self.pull(&consumer, size).await.ok().map(|b| (b, asked));
                             }
                             self.on_message(message).await;
                         }
-                        Some(Err(e)) => {
-                            tracing::debug!(
-                                error = %self.settings.config.scrub(&e.to_string()),
-                                consumer = %self.settings.durable,
-                                "JetStream pull reported an error"
-                            );
-                        }
+                        Some(Err(e)) => self.pull_error(&e),
                         // The pull request is fulfilled or expired: the next.
-                        None => break true,
+                        None => break Ended::Done,
                     },
+                    _ = tokio::time::sleep_until(overdue), if lingering.len() < MAX_LINGERING => {
+                        tracing::debug!(consumer = %self.settings.durable, "a pull request went unanswered past its expiry; asking for the next");
+                        break Ended::Overdue;
+                    }
                 }
             };
-            if ended {
-                current = None;
+            match ended {
+                Ended::Done => current = None,
+                Ended::Overdue => lingering.extend(current.take().map(|(batch, ..)| batch)),
             }
         }
-        let in_flight = current.map(|(batch, _)| batch).into_iter().chain(queued);
+        let in_flight = lingering
+            .into_iter()
+            .chain(current.map(|(batch, ..)| batch))
+            .chain(queued.map(|(batch, _)| batch));
         let clean = self.give_back(in_flight.collect(), &client).await;
         self.connected.store(false, Ordering::SeqCst);
         tracing::info!(consumer = %self.settings.durable, "NATS consumer stopped");
@@ -241,6 +306,15 @@ impl Worker {
             tracing::debug!(consumer = %self.settings.durable, given_back = back.len(), clean, "gave unsettled messages back to the server");
         }
         clean
+    }
+
+    /// Logs an error status a pull request ended with (the loop goes on).
+    fn pull_error(&self, e: &async_nats::Error) {
+        tracing::debug!(
+            error = %self.settings.config.scrub(&e.to_string()),
+            consumer = %self.settings.durable,
+            "JetStream pull reported an error"
+        );
     }
 
     /// Asks the server for up to `size` messages within [`PULL_EXPIRY`].
