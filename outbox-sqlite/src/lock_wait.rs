@@ -49,9 +49,9 @@ fn wait_for_lock(tries: i32) -> bool {
 }
 
 /// Makes an application's connection (`db`, from sqlx or rusqlite) wait
-/// for locks in the same short steps, up to `timeout` — its own
-/// `busy_timeout`, which this handler replaces (SQLite keeps one busy
-/// handler per connection).
+/// for locks in the same short steps, up to `timeout_ms` — its own
+/// `PRAGMA busy_timeout`, which this handler replaces (SQLite keeps one
+/// busy handler per connection).
 ///
 /// # Safety
 /// `db` must be an open connection that no other thread uses during the
@@ -59,7 +59,7 @@ fn wait_for_lock(tries: i32) -> bool {
 #[allow(unsafe_code)]
 pub(crate) unsafe fn install_on(
     db: *mut rusqlite::ffi::sqlite3,
-    timeout: Duration,
+    timeout_ms: i64,
 ) -> rusqlite::Result<()> {
     use std::ffi::{c_int, c_void};
     /// The handler SQLite calls: its argument is the timeout in
@@ -68,7 +68,7 @@ pub(crate) unsafe fn install_on(
         let timeout = Duration::from_millis(timeout_ms as usize as u64);
         c_int::from(wait(tries, timeout))
     }
-    let ms = usize::try_from(timeout.as_millis()).unwrap_or(usize::MAX);
+    let ms = usize::try_from(timeout_ms).unwrap_or(0);
     // SAFETY: the caller vouches for `db`; the handler reads its argument
     // as an integer, never as a pointer, so it needs no lifetime.
     let rc = unsafe { rusqlite::ffi::sqlite3_busy_handler(db, Some(on_busy), ms as *mut c_void) };

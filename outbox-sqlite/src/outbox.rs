@@ -24,12 +24,6 @@ use crate::error::is_unique_violation;
 use crate::row::Encoded;
 use crate::schema::Sql;
 
-/// A connection's `PRAGMA busy_timeout` (milliseconds) as a duration.
-#[cfg(any(feature = "sqlx", feature = "rusqlite"))]
-fn busy_timeout(ms: i64) -> std::time::Duration {
-    std::time::Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
 /// Writes messages (and inbox entries) into the application's own
 /// transaction, with either driver. Get one from
 /// [`SqliteStore::outbox`](crate::SqliteStore::outbox); cloning is cheap.
@@ -227,7 +221,7 @@ impl SqliteOutbox {
         // SAFETY: `handle` keeps the connection open and locked for us: no
         // statement runs on it during the call.
         #[allow(unsafe_code)]
-        unsafe { crate::lock_wait::install_on(db, busy_timeout(timeout_ms)) }
+        unsafe { crate::lock_wait::install_on(db, timeout_ms) }
             .map_err(|e| from_rusqlite(e, "installing the busy handler", self.table()))?;
         Ok(())
     }
@@ -261,8 +255,7 @@ impl SqliteOutbox {
         // SAFETY: `conn` is open and borrowed by this call: no other thread
         // uses it meanwhile.
         #[allow(unsafe_code)]
-        unsafe { crate::lock_wait::install_on(conn.handle(), busy_timeout(timeout_ms)) }
-            .map_err(fail)?;
+        unsafe { crate::lock_wait::install_on(conn.handle(), timeout_ms) }.map_err(fail)?;
         Ok(())
     }
 
