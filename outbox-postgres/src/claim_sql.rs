@@ -73,7 +73,13 @@ pub(crate) fn sequences(names: &Names) -> (String, String) {
 /// proportion to the backlog for every candidate, claims of 200 taking
 /// 13–42 s under a backlog of a few thousand in MiniShop
 /// (docs/decisions.md, "the claim's plan is pinned").
-pub(crate) fn claim_sql(names: &Names) -> String {
+///
+/// `no_flush` (a condition, true) ends the `UPDATE`'s test: it makes the
+/// claim commit without waiting for a WAL flush when it runs as its own
+/// transaction (on a connection with the claim's settings for its session,
+/// `schema::claims_in_session`), as its transaction's `SET LOCAL` does
+/// otherwise.
+pub(crate) fn claim_sql(names: &Names, no_flush: &str) -> String {
     let t = format!(r#""{}"."{}""#, names.schema, names.outbox);
     format!(
         "WITH {floor},
@@ -111,6 +117,7 @@ pub(crate) fn claim_sql(names: &Names) -> String {
                AND e.seq >= (SELECT seq FROM floor)
                AND e.state NOT IN ('processed', 'poisoned')
                AND e.seq NOT IN (SELECT seq FROM picked)))
+           AND {no_flush}
          RETURNING {}",
         COLUMNS
             .split(", ")

@@ -40,6 +40,12 @@ pub(crate) struct Inner {
     pub(crate) pool: PgPool,
     pub(crate) sql: Arc<Sql>,
     claim: String,
+    /// Whether the pool's connections have the claim's settings for their
+    /// whole session (`schema::claims_in_session`, as [`PgTenantPools`]'
+    /// do): a claim is then one statement, its own transaction.
+    ///
+    /// [`PgTenantPools`]: crate::PgTenantPools
+    claims_in_session: bool,
     outbox: PgOutbox,
     pub(crate) announcer: Announcer,
     wake_up: WakeUp,
@@ -123,6 +129,7 @@ impl PgStore {
             inner: Arc::new(Inner {
                 display,
                 claim: sql.claim(),
+                claims_in_session: crate::schema::claims_in_session(&options),
                 outbox: PgOutbox::new(Arc::clone(&sql), announcer.clone(), clock),
                 sql,
                 pool,
@@ -139,6 +146,16 @@ impl PgStore {
     /// and record inbox entries with.
     pub fn outbox(&self) -> PgOutbox {
         self.inner.outbox.clone()
+    }
+
+    #[doc(hidden)]
+    /// Whether this store's claims run as one statement, their own
+    /// transaction: its pool's connections have the claim's settings for
+    /// their whole session, as [`PgTenantPools`](crate::PgTenantPools)'
+    /// do. Otherwise a claim is `BEGIN` with the settings, the claim and
+    /// `COMMIT`.
+    pub fn claims_in_one_statement(&self) -> bool {
+        self.inner.claims_in_session
     }
 
     /// The store's connection pool.
@@ -383,9 +400,23 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let what = "claiming messages";
-        let mut tx = self.begin_claim(what).await?;
-        let result = self.claim_in(&mut tx, request).await;
-        let claimed = self.finish(tx, result, what).await?;
+        let claimed = if self.inner.claims_in_session {
+            // One round trip. A corrupt row's poisoning, if any, follows
+            // as statements of their own: the row stays leased meanwhile.
+            let mut conn = self
+                .inner
+                .pool
+                .acquire()
+                .await
+                .map_err(|e| self.fail(e, what))?;
+            self.claim_in(&mut conn, request)
+                .await
+                .map_err(|e| self.fail(e, what))?
+        } else {
+            let mut tx = self.begin_claim(what).await?;
+            let result = self.claim_in(&mut tx, request).await;
+            self.finish(tx, result, what).await?
+        };
         self.tend_floor();
         Ok(claimed)
     }

@@ -100,13 +100,37 @@ impl PgUnderTest {
         clock: Option<Arc<dyn Clock>>,
         adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
     ) -> Self {
+        Self::fresh_at(clock, "", adjust).await
+    }
+
+    /// [`fresh`](Self::fresh), the store's connections having the claim's
+    /// settings for their whole session, as [`PgTenantPools`](crate::PgTenantPools)'
+    /// connections do: its claims run as one statement each.
+    pub async fn fresh_claiming_in_session() -> Self {
+        let settings = crate::schema::with_claim_settings(
+            sqlx::postgres::PgConnectOptions::new_without_pgpass(),
+        );
+        let rendered = settings.get_options().unwrap_or_default();
+        let param = format!(
+            "&options={}",
+            rendered.replace(' ', "%20").replace('=', "%3D")
+        );
+        Self::fresh_at(None, &param, |b| b).await
+    }
+
+    /// The fixture, `params` (`&name=value…`) added to its store's URL.
+    async fn fresh_at(
+        clock: Option<Arc<dyn Clock>>,
+        params: &str,
+        adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+    ) -> Self {
         let url = database_url();
         let schema = unique_schema("outbox_test");
         // Every connection of the fixture carries the schema's name, so
         // that its drop can end any of them still open.
         let separator = if url.contains('?') { '&' } else { '?' };
         let tagged = format!("{url}{separator}application_name={schema}");
-        let mut builder = PgStore::builder(tagged.clone())
+        let mut builder = PgStore::builder(format!("{tagged}{params}"))
             .schema(schema.clone())
             .table("test_outbox")
             .inbox_table("test_inbox");

@@ -92,3 +92,64 @@ async fn a_connection_keeps_the_claims_of_all_its_stores_prepared() {
     assert_eq!(prepared, n as i64, "every store's claim is still prepared");
     assert!(n <= TENANT_STATEMENT_CACHE);
 }
+
+/// The statement a connection named `name` ran last, as the server saw it.
+async fn last_statement(name: &str) -> String {
+    let observer = sqlx::PgPool::connect(&database_url()).await.unwrap();
+    sqlx::query_scalar("SELECT query FROM pg_stat_activity WHERE application_name = $1")
+        .bind(name)
+        .fetch_one(&observer)
+        .await
+        .unwrap()
+}
+
+/// On the pools' connections, which have the claim's settings for their
+/// whole session, a claim is one statement, its own transaction (one round
+/// trip); on any other pool it is `BEGIN` with the settings, the claim,
+/// `COMMIT`.
+#[tokio::test]
+async fn a_claim_on_the_tenant_pools_is_one_statement() {
+    let schema = unique_schema("tenant_claim");
+    let pools = PgTenantPools::connect(options().application_name(&schema), 1, 1)
+        .await
+        .unwrap();
+    let plain_name = format!("{schema}_plain");
+    let plain = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options().application_name(&plain_name))
+        .await
+        .unwrap();
+    let pinned = PgStore::builder_with_pool(pools.pools()[0].clone())
+        .schema(schema.clone())
+        .connect()
+        .await
+        .unwrap();
+    let other = PgStore::builder_with_pool(plain)
+        .schema(schema.clone())
+        .connect()
+        .await
+        .unwrap();
+    pinned.migrate().await.unwrap();
+    assert!(pinned.claims_in_one_statement());
+    assert!(!other.claims_in_one_statement());
+    for (store, name) in [(&pinned, &schema), (&other, &plain_name)] {
+        commit_one(store).await;
+        assert_eq!(store.claim(&claim_request(10)).await.unwrap().len(), 1);
+        let last = last_statement(name).await;
+        let expected = if store.claims_in_one_statement() {
+            "picked AS ("
+        } else {
+            "COMMIT"
+        };
+        assert!(last.contains(expected), "{name} ran last: {last}");
+    }
+    let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
+        .fetch_one(&pools.pools()[0])
+        .await
+        .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(r#"DROP SCHEMA "{schema}" CASCADE"#)))
+        .execute(other.pool())
+        .await
+        .unwrap();
+    assert_eq!(mode, "force_generic_plan");
+}
