@@ -107,6 +107,15 @@ impl PgUnderTest {
     /// settings for their whole session, as [`PgTenantPools`](crate::PgTenantPools)'
     /// connections do: its claims run as one statement each.
     pub async fn fresh_claiming_in_session() -> Self {
+        Self::fresh_claiming_in_session_with(None, |b| b).await
+    }
+
+    /// [`fresh_claiming_in_session`](Self::fresh_claiming_in_session) with
+    /// a clock and the builder adjusted, as [`fresh_with`](Self::fresh_with).
+    pub async fn fresh_claiming_in_session_with(
+        clock: Option<Arc<dyn Clock>>,
+        adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+    ) -> Self {
         let settings = crate::schema::with_claim_settings(
             sqlx::postgres::PgConnectOptions::new_without_pgpass(),
         );
@@ -115,7 +124,7 @@ impl PgUnderTest {
             "&options={}",
             rendered.replace(' ', "%20").replace('=', "%3D")
         );
-        Self::fresh_at(None, &param, |b| b).await
+        Self::fresh_at(clock, &param, adjust).await
     }
 
     /// The fixture, `params` (`&name=value…`) added to its store's URL.
