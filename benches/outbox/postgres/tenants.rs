@@ -8,7 +8,9 @@
 //!   (its latency reported apart), then one tenant drains a backlog of
 //!   100,000 while they go on for 20 s more: the quiet tenants' commit →
 //!   handled latency in that window, and the hot tenant's drain rate
-//!   against a relay draining the same backlog alone;
+//!   against a relay draining the same backlog alone; before the fleet
+//!   starts, a relay alone drains that backlog beside the writers too
+//!   (what the writers leave of the machine);
 //! * the connections the fleet holds, against what single relays hold;
 //! * idle cost (transactions a second and CPU) against 1,000 single relays
 //!   at their default poll on the same pool and listener;
@@ -290,6 +292,25 @@ async fn idle_figures(
     out
 }
 
+/// `backlog` messages put in `store`, drained by a relay of its own (worker
+/// `tenants-<name>`): its rate.
+async fn drain_alone(pool: &PgPool, store: &PgStore, backlog: usize, name: &str) -> f64 {
+    fill(pool, store, backlog).await;
+    let count = Arc::new(AtomicU64::new(0));
+    let alone = Relay::builder(store.clone())
+        .dispatcher(counting_handlers(count.clone()))
+        .batch_size(500)
+        .worker_id(format!("tenants-{name}-{}", std::process::id()))
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    alone.until_idle().await.unwrap();
+    let rate = backlog as f64 / t.elapsed().as_secs_f64();
+    alone.shutdown().await;
+    assert_eq!(count.load(Ordering::Relaxed), backlog as u64);
+    rate
+}
+
 /// One tenant draining a backlog while the others write: the quiet
 /// tenants' latency, the hot tenant's drain against a relay alone, and the
 /// connections held.
@@ -304,41 +325,20 @@ async fn busy_figures(
     let backlog = if quick { 2_000 } else { 100_000 };
     let mut out = Vec::new();
     // The baseline drain: a relay alone on the hot tenant's backlog.
-    fill(pool, &stores[0], backlog).await;
-    let count = Arc::new(AtomicU64::new(0));
-    let alone = Relay::builder(stores[0].clone())
-        .dispatcher(counting_handlers(count.clone()))
-        .batch_size(500)
-        .worker_id(format!("tenants-alone-{}", std::process::id()))
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    alone.until_idle().await.unwrap();
-    let alone_rate = backlog as f64 / t.elapsed().as_secs_f64();
-    alone.shutdown().await;
-    assert_eq!(count.load(Ordering::Relaxed), backlog as u64);
+    let alone_rate = drain_alone(pool, &stores[0], backlog, "alone").await;
 
-    // The fleet: the others writing, first for a warm-up as long as the
-    // window (each connection prepares its tenants' statements once),
-    // then the hot tenant gets its backlog again and the window begins.
+    // The others start writing; a relay alone drains the same backlog
+    // again beside them (what the machine leaves the hot tenant while the
+    // writers commit; their messages wait for the fleet). Then the fleet:
+    // first a warm-up as long as the window (each connection prepares its
+    // tenants' statements once), then the hot tenant gets its backlog again
+    // and the window begins.
     let hot_done = Arc::new(AtomicU64::new(0));
     // Commit and handling times of the quiet messages, by sequence number.
     let sent = if quick { 4_000 } else { 200_000 };
     let committed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let handled: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let t0 = Instant::now();
-    let fleet = fleet_of("busy", stores, |i| {
-        if i == 0 {
-            counting_handlers(hot_done.clone())
-        } else {
-            let handled = handled.clone();
-            Handlers::new().on_message("Quiet", move |m: &Message| {
-                let seq = u64::from_le_bytes(m.payload[..8].try_into().unwrap()) as usize;
-                handled[seq].store(micros(t0), Ordering::Relaxed);
-                async { Ok::<_, std::io::Error>(()) }
-            })
-        }
-    });
     // When the writers stop (µs since `t0`): set once the window begins.
     let stop_at = Arc::new(AtomicU64::new(u64::MAX));
     // Open loop: the quiet tenants in turn, each once a second.
@@ -379,6 +379,21 @@ async fn busy_figures(
             }
         }));
     }
+    let beside_rate = drain_alone(pool, &stores[0], backlog, "beside-writers").await;
+    // Messages committed before the fleet began are in neither figure.
+    let fleet_from = micros(t0);
+    let fleet = fleet_of("busy", stores, |i| {
+        if i == 0 {
+            counting_handlers(hot_done.clone())
+        } else {
+            let handled = handled.clone();
+            Handlers::new().on_message("Quiet", move |m: &Message| {
+                let seq = u64::from_le_bytes(m.payload[..8].try_into().unwrap()) as usize;
+                handled[seq].store(micros(t0), Ordering::Relaxed);
+                async { Ok::<_, std::io::Error>(()) }
+            })
+        }
+    });
     tokio::time::sleep(window).await;
     fill(pool, &stores[0], backlog).await;
     let hot_start = Instant::now();
@@ -402,6 +417,9 @@ async fn busy_figures(
             committed[seq].load(Ordering::Relaxed),
             handled[seq].load(Ordering::Relaxed),
         );
+        if c < fleet_from {
+            continue;
+        }
         let hist = if c < warm_until {
             &mut warming
         } else {
@@ -438,6 +456,15 @@ async fn busy_figures(
             "≥ 0.8 × alone",
         )
         .beside("a relay alone on the same backlog", alone_rate),
+    );
+    out.push(
+        Figure::new(
+            "tenants: … a relay alone on the same backlog, the others writing (no fleet: what the writers leave)",
+            beside_rate,
+            "msg/s",
+            "—",
+        )
+        .beside("a relay alone, nobody writing", alone_rate),
     );
     // Connections: the fleet's pool and its one LISTEN connection, against
     // single relays, each with a pool (of at least one connection) and a
