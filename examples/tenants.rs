@@ -232,36 +232,40 @@ fn schema(i: usize) -> String {
     format!("tenants_example_{}_{i}", std::process::id())
 }
 
-/// Every tenant on PostgreSQL: a schema each, four small pools (each
-/// tenant pinned to one, its statements kept prepared there) and one
-/// `LISTEN` connection for all of them.
+/// Every tenant on PostgreSQL: a schema each; for the stores, four small
+/// pools (each tenant pinned to one, its statements kept prepared there)
+/// and one `LISTEN` connection for all of them; for the application's own
+/// statements, a pool of its own.
 async fn postgres_tenants(url: &str, n: usize) -> Result<(Vec<TenantDb>, PgPool), Failure> {
     let pools = PgTenantPools::connect(url.parse()?, 4, 2).await?;
     let shared = PgSharedListener::new(&pools.pools()[0]);
+    let app = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await?;
     let mut tenants = Vec::with_capacity(n);
     for i in 0..n {
         let schema = schema(i);
-        let pool = pools.for_name(&schema);
         sqlx::raw_sql(AssertSqlSafe(format!(
             r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE;
                CREATE SCHEMA "{schema}";
                CREATE TABLE "{schema}".invoices (id text PRIMARY KEY, cents int8 NOT NULL, sent int8 NOT NULL)"#
         )))
-        .execute(pool)
+        .execute(&app)
         .await?;
-        let store = PgStore::builder_with_pool(pool.clone())
+        let store = PgStore::builder_with_pool(pools.for_name(&schema).clone())
             .schema(&schema)
             .listen_through(&shared)
             .connect()
             .await?;
         store.migrate().await?;
         tenants.push(TenantDb::Postgres {
-            pool: pool.clone(),
+            pool: app.clone(),
             schema,
             store,
         });
     }
-    Ok((tenants, pools.pools()[0].clone()))
+    Ok((tenants, app))
 }
 
 /// Every tenant on SQLite: a file each in `dir`, the stores' connections
@@ -402,7 +406,7 @@ async fn run(a: Args) -> Result<bool, Failure> {
             .fetch_one(pool)
             .await?;
             format!(
-                "{held} connections to the database (at most four pools of 2 and one LISTEN, for every tenant)"
+                "{held} connections to the database (for every tenant's store, at most four pools of 2 and one LISTEN; the application's own pool, at most 4)"
             )
         }
         None => format!(
