@@ -1,7 +1,9 @@
 //! The claim statement and the floor it walks from: the one statement
-//! every relay's claim runs (see [`claim_sql`]), and the pieces of it the
-//! other statements of `schema.rs` share (the floor's common table, the
-//! retry generation).
+//! every relay's claim runs (see [`claim_sql`]), the settings it runs
+//! under, and the pieces of it the other statements of `schema.rs` share
+//! (the floor's common table, the retry generation).
+
+use sqlx::postgres::PgConnectOptions;
 
 use crate::schema::{COLUMNS, Names};
 
@@ -77,7 +79,7 @@ pub(crate) fn sequences(names: &Names) -> (String, String) {
 /// `no_flush` (a condition, true) ends the `UPDATE`'s test: it makes the
 /// claim commit without waiting for a WAL flush when it runs as its own
 /// transaction (on a connection with the claim's settings for its session,
-/// `schema::claims_in_session`), as its transaction's `SET LOCAL` does
+/// [`claims_in_session`]), as its transaction's `SET LOCAL` does
 /// otherwise.
 pub(crate) fn claim_sql(names: &Names, no_flush: &str) -> String {
     let t = format!(r#""{}"."{}""#, names.schema, names.outbox);
@@ -139,4 +141,50 @@ pub(crate) fn floor_cte(names: &Names, n: usize) -> String {
            FROM {retries} AS r)",
         n + 1
     )
+}
+
+/// The settings every claim runs under (see `begin_claim` in `Sql::new`,
+/// `schema.rs`, for why each). A claim on a connection that has them for its whole
+/// session ([`claims_in_session`]) runs as one statement, its own
+/// transaction, instead of three round trips.
+pub(crate) const CLAIM_SETTINGS: [(&str, &str); 6] = [
+    ("lock_timeout", "10s"),
+    ("enable_sort", "off"),
+    ("enable_bitmapscan", "off"),
+    ("enable_seqscan", "off"),
+    ("plan_cache_mode", "force_generic_plan"),
+    ("jit", "off"),
+];
+
+/// `options` with [`CLAIM_SETTINGS`] for the whole session of each
+/// connection (startup options, after any the options had).
+pub(crate) fn with_claim_settings(options: PgConnectOptions) -> PgConnectOptions {
+    options.options(CLAIM_SETTINGS)
+}
+
+/// Whether connections made with `options` run under [`CLAIM_SETTINGS`] for
+/// their whole session: the last startup options they carry are those of
+/// [`with_claim_settings`], so none given later overrides them.
+pub(crate) fn claims_in_session(options: &PgConnectOptions) -> bool {
+    let ours = with_claim_settings(PgConnectOptions::new_without_pgpass());
+    match (options.get_options(), ours.get_options()) {
+        (Some(given), Some(ours)) => given.ends_with(ours),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn claims_run_in_session_only_when_the_claim_settings_come_last() {
+        let bare = PgConnectOptions::new_without_pgpass();
+        assert!(!claims_in_session(&bare), "no startup options");
+        assert!(claims_in_session(&with_claim_settings(bare.clone())));
+        let after_others = with_claim_settings(bare.clone().options([("geqo", "off")]));
+        assert!(claims_in_session(&after_others), "other options before");
+        let overridden = with_claim_settings(bare).options([("plan_cache_mode", "auto")]);
+        assert!(!claims_in_session(&overridden), "a later option overrides");
+    }
 }

@@ -5,9 +5,8 @@ use std::sync::OnceLock;
 use outbox_api::activity::ActivitySql;
 use outbox_api::backend::{validate_schema_name, validate_table_name};
 use outbox_api::{Error, Result};
-use sqlx::postgres::PgConnectOptions;
 
-use crate::claim_sql::{RETRIES_GENERATION, claim_sql, floor_cte, sequences};
+use crate::claim_sql::{CLAIM_SETTINGS, RETRIES_GENERATION, claim_sql, floor_cte, sequences};
 use crate::own_lock::own_lock_column;
 
 /// Default PostgreSQL schema.
@@ -267,36 +266,6 @@ const PENDING_BY_ID: &str = "state NOT IN ('processed', 'poisoned')";
 /// last few hundred milliseconds; the message is delivered again, or
 /// purged again (docs/rules.md, "Server crash").
 const NO_FLUSH: &str = "(SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL";
-
-/// The settings every claim runs under (see `begin_claim` in [`Sql::new`]
-/// for why each). A claim on a connection that has them for its whole
-/// session ([`claims_in_session`]) runs as one statement, its own
-/// transaction, instead of three round trips.
-pub(crate) const CLAIM_SETTINGS: [(&str, &str); 6] = [
-    ("lock_timeout", "10s"),
-    ("enable_sort", "off"),
-    ("enable_bitmapscan", "off"),
-    ("enable_seqscan", "off"),
-    ("plan_cache_mode", "force_generic_plan"),
-    ("jit", "off"),
-];
-
-/// `options` with [`CLAIM_SETTINGS`] for the whole session of each
-/// connection (startup options, after any the options had).
-pub(crate) fn with_claim_settings(options: PgConnectOptions) -> PgConnectOptions {
-    options.options(CLAIM_SETTINGS)
-}
-
-/// Whether connections made with `options` run under [`CLAIM_SETTINGS`] for
-/// their whole session: the last startup options they carry are those of
-/// [`with_claim_settings`], so none given later overrides them.
-pub(crate) fn claims_in_session(options: &PgConnectOptions) -> bool {
-    let ours = with_claim_settings(PgConnectOptions::new_without_pgpass());
-    match (options.get_options(), ours.get_options()) {
-        (Some(given), Some(ours)) => given.ends_with(ours),
-        _ => false,
-    }
-}
 
 /// The values an insert binds, in this order: `$1` id, `$2` kind, `$3`
 /// message_type, `$4` key, `$5` exchange, `$6` routing_key, `$7` payload,
@@ -605,17 +574,6 @@ impl Rare {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn claims_run_in_session_only_when_the_claim_settings_come_last() {
-        let bare = PgConnectOptions::new_without_pgpass();
-        assert!(!claims_in_session(&bare), "no startup options");
-        assert!(claims_in_session(&with_claim_settings(bare.clone())));
-        let after_others = with_claim_settings(bare.clone().options([("geqo", "off")]));
-        assert!(claims_in_session(&after_others), "other options before");
-        let overridden = with_claim_settings(bare).options([("plan_cache_mode", "auto")]);
-        assert!(!claims_in_session(&overridden), "a later option overrides");
-    }
 
     #[test]
     fn the_selected_columns_are_the_outbox_columns() {

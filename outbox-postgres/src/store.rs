@@ -41,7 +41,7 @@ pub(crate) struct Inner {
     pub(crate) sql: Arc<Sql>,
     claim: String,
     /// Whether the pool's connections have the claim's settings for their
-    /// whole session (`schema::claims_in_session`, as [`PgTenantPools`]'
+    /// whole session (`claim_sql::claims_in_session`, as [`PgTenantPools`]'
     /// do): a claim is then one statement, its own transaction.
     ///
     /// [`PgTenantPools`]: crate::PgTenantPools
@@ -129,7 +129,7 @@ impl PgStore {
             inner: Arc::new(Inner {
                 display,
                 claim: sql.claim(),
-                claims_in_session: crate::schema::claims_in_session(&options),
+                claims_in_session: crate::claim_sql::claims_in_session(&options),
                 outbox: PgOutbox::new(Arc::clone(&sql), announcer.clone(), clock),
                 sql,
                 pool,

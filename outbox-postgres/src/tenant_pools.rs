@@ -63,7 +63,7 @@ impl PgTenantPools {
                 ),
             ));
         }
-        let options = crate::schema::with_claim_settings(
+        let options = crate::claim_sql::with_claim_settings(
             options.statement_cache_capacity(TENANT_STATEMENT_CACHE),
         );
         let pools = (0..pools)

@@ -116,7 +116,7 @@ impl PgUnderTest {
         clock: Option<Arc<dyn Clock>>,
         adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
     ) -> Self {
-        let settings = crate::schema::with_claim_settings(
+        let settings = crate::claim_sql::with_claim_settings(
             sqlx::postgres::PgConnectOptions::new_without_pgpass(),
         );
         let rendered = settings.get_options().unwrap_or_default();
