@@ -3,16 +3,22 @@
 //! inside the application's transaction.
 //!
 //! An enqueue cannot see its transaction commit. It returns the
-//! transaction's id (`pg_current_xact_id()`), and a small task per store
-//! watches those ids until each has committed (announce) or rolled back
-//! (forget). Each enqueuing transaction holds an advisory lock on its own
-//! id until it ends (`own_lock::OWN_LOCK`): the watcher waits for that lock,
-//! oldest transaction first, and looks at every watched one the moment it
-//! is granted. A transaction still open after [`WAIT_AT_MOST`] is asked
-//! after with `pg_xact_status` instead, more slowly the longer it stays
-//! open.
+//! transaction's id (`pg_current_xact_id()`), and a small task, the commit
+//! watcher, watches those ids until each has committed (announce) or
+//! rolled back (forget). A store has a watcher of its own, on its pool;
+//! the stores that listen through one [`PgSharedListener`] (a fleet's
+//! tenants) share one, on a connection of its own, which looks at all
+//! their transactions in one statement.
+//!
+//! Each enqueuing transaction holds an advisory lock on its own id until
+//! it ends (`own_lock::OWN_LOCK`): the watcher waits for that lock, oldest
+//! transaction first, and looks at every watched one the moment it is
+//! granted. A transaction still open after [`WAIT_AT_MOST`] is asked after
+//! with `pg_xact_status` instead, more slowly the longer it stays open.
+//!
+//! [`PgSharedListener`]: crate::PgSharedListener
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::Duration;
 
@@ -25,7 +31,6 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::own_lock::{WAIT_LOOK, own_lock_key};
-use crate::schema::Sql;
 
 /// How long after an enqueue its transaction is first looked at. The
 /// application commits right after its last statement (one round trip, a
@@ -48,8 +53,36 @@ const SLOWEST_LOOK: Duration = Duration::from_millis(100);
 /// A transaction still open after this long is no longer watched (a
 /// prepared transaction, say); relays find its messages by polling.
 const GIVE_UP_AFTER: Duration = Duration::from_secs(3600);
-/// How often an idle watcher checks whether its store is gone.
+/// How often an idle watcher checks whether its stores are gone.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
+
+/// The watcher's look at every watched transaction: `$1` their ids
+/// (text), `$2` and `$3` for each the channel to `NOTIFY` and the payload
+/// (the announcer's token) if it has committed, the channel empty when
+/// its outbox's debounce holds the notification back. A transaction
+/// counts as committed once a fresh snapshot sees it
+/// (`pg_visible_in_snapshot`): the commit log says "committed" a moment
+/// before the transaction leaves the list of running ones, and a relay
+/// woken in that moment would claim without seeing its messages. Rows:
+/// id, status, how many notifications were sent (the same in every row).
+/// The notifications go out as the look's own transaction commits, right
+/// after it; one channel and payload is notified once however many of its
+/// transactions committed.
+pub(crate) const LOOK: &str = "WITH s AS MATERIALIZED (
+       SELECT x, ch, tok, CASE
+         WHEN st = 'committed'
+          AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
+         THEN 'in progress' ELSE st END AS status
+       FROM unnest($1::text[], $2::text[], $3::text[]) AS u(x, ch, tok),
+            LATERAL pg_xact_status(x::xid8) AS st),
+     n AS MATERIALIZED (
+       SELECT pg_notify(ch, tok) FROM (
+         SELECT DISTINCT ch, tok FROM s WHERE ch <> '' AND status = 'committed') AS d)
+     SELECT x, status, (SELECT count(*) FROM n) FROM s";
+
+/// `pg_notify` for each channel `$1` with its payload `$2`, in one
+/// statement, its own transaction.
+const NOTIFY: &str = "SELECT count(pg_notify(ch, tok)) FROM unnest($1::text[], $2::text[]) AS u(ch, tok)";
 
 /// The in-process signal of one outbox table, shared by every store and
 /// outbox opened on it in this process (by server, database, schema, table).
@@ -62,38 +95,67 @@ pub(crate) fn shared_wakeup(identity: &str) -> Wakeup {
     map.entry(identity.to_owned()).or_default().clone()
 }
 
-/// Announces commits of one outbox table; cloning shares it.
+/// Announces commits of one outbox table through a [`Watcher`]; cloning
+/// shares it.
 #[derive(Clone)]
 pub(crate) struct Announcer {
-    inner: Arc<Inner>,
+    target: Arc<Target>,
+    watcher: Arc<Watcher>,
+    /// Whether enqueues are watched and announced at all.
+    enabled: bool,
 }
 
 impl std::fmt::Debug for Announcer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Announcer")
-            .field("channel", &self.inner.channel)
+            .field("channel", &self.target.channel)
             .finish_non_exhaustive()
     }
 }
 
-struct Inner {
-    pool: PgPool,
-    sql: Arc<Sql>,
-    channel: String,
+/// Where one outbox table's commits are announced.
+struct Target {
+    /// Its relays in this process.
     local: Wakeup,
+    /// Its channel, for other processes' relays.
+    channel: String,
     /// This announcer's `NOTIFY` payload, unique to it (a random UUID): its
     /// store's own listener skips its notifications, since every one
     /// follows a wake-up of the same relays in this process.
     token: String,
+    /// The least time between two of its notifications.
     debounce: Duration,
-    /// Whether enqueues are watched and announced at all.
-    enabled: bool,
+    /// The table, for logs.
+    table: String,
+    notify: Mutex<Debounce>,
+}
+
+#[derive(Default)]
+struct Debounce {
+    /// When its last notification was sent.
+    last: Option<Instant>,
+    /// A commit was announced locally; other processes are still to hear
+    /// (it is then in the watcher's `due`).
+    due: bool,
+}
+
+impl Target {
+    /// Whether its debounce lets a notification go out at `now`.
+    fn may_notify(&self, now: Instant) -> bool {
+        lock(&self.notify).last.is_none_or(|t| t + self.debounce <= now)
+    }
+}
+
+/// Watches enqueuing transactions of one database for the announcers of
+/// one or many outbox tables.
+pub(crate) struct Watcher {
+    pool: PgPool,
     state: Mutex<State>,
     kick: Arc<Notify>,
     task: Mutex<Option<JoinHandle<()>>>,
-    /// The multi-thread runtime the store was built on, where its pool's
-    /// connections live: the watcher runs there rather than on the runtime
-    /// of whichever enqueue came first. An application's writers may run on
+    /// The multi-thread runtime the watcher was made on, where its pool's
+    /// connections live: it runs there rather than on the runtime of
+    /// whichever enqueue came first. An application's writers may run on
     /// a runtime of their own that ends right after its last commit; a
     /// watcher on it would end too, mid-look, and that commit would wait
     /// for the relays' poll (and the look's connection be lost to the pool).
@@ -104,106 +166,137 @@ struct Inner {
 struct State {
     /// Open transactions that enqueued, and when each was first seen.
     watching: HashMap<u64, Watched>,
-    /// A commit was announced locally; other processes are still to hear.
-    notify_due: bool,
+    /// Targets owed a notification.
+    due: Vec<Arc<Target>>,
 }
 
-impl Announcer {
-    pub(crate) fn new(
-        pool: PgPool,
-        sql: Arc<Sql>,
-        local: Wakeup,
-        debounce: Duration,
-        enabled: bool,
-    ) -> Self {
-        Announcer {
-            inner: Arc::new(Inner {
-                pool,
-                channel: sql.names.channel(),
-                sql,
-                local,
-                token: outbox_api::MessageId::new().to_string(),
-                debounce,
-                enabled,
-                state: Mutex::new(State::default()),
-                kick: Arc::new(Notify::new()),
-                task: Mutex::new(None),
-                home: tokio::runtime::Handle::try_current()
-                    .ok()
-                    .filter(|rt| rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
-            }),
-        }
+impl Watcher {
+    /// A watcher that looks through `pool` (waiting for a transaction only
+    /// on a connection that leaves the pool another).
+    pub(crate) fn new(pool: PgPool) -> Arc<Watcher> {
+        Arc::new(Watcher {
+            pool,
+            state: Mutex::new(State::default()),
+            kick: Arc::new(Notify::new()),
+            task: Mutex::new(None),
+            home: tokio::runtime::Handle::try_current()
+                .ok()
+                .filter(|rt| rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread),
+        })
     }
 
-    /// The in-process signal.
-    pub(crate) fn local(&self) -> &Wakeup {
-        &self.inner.local
-    }
-
-    /// The payload of this announcer's notifications: a listener of the
-    /// same store skips them (their relays were woken in-process first).
-    pub(crate) fn token(&self) -> &str {
-        &self.inner.token
-    }
-
-    /// Watches transaction `xid` (as `pg_current_xact_id()` printed it)
-    /// until it ends; announces it if it committed.
-    pub(crate) fn watch(&self, xid: &str) {
-        if !self.inner.enabled {
-            return;
-        }
-        let Ok(xid) = xid.parse::<u64>() else {
-            tracing::debug!(xid, "unexpected transaction id; announcing at once");
-            return self.committed();
-        };
-        lock(&self.inner.state)
-            .watching
-            .entry(xid)
-            .or_insert_with(|| Watched {
-                seen: Instant::now(),
-                looked: false,
-                waited: false,
-            });
-        self.kick();
-    }
-
-    /// Something committed that relays may claim: wakes this process's
-    /// relays now and other processes' within the debounce interval.
-    pub(crate) fn committed(&self) {
-        self.inner.local.notify();
-        lock(&self.inner.state).notify_due = true;
-        self.kick();
-    }
-
-    /// Something committed that announced itself to other processes (a
-    /// `NOTIFY` in its own transaction): wakes this process's relays now.
-    pub(crate) fn committed_and_notified(&self) {
-        self.inner.local.notify();
-    }
-
-    fn kick(&self) {
-        self.inner.kick.notify_one();
-        let mut task = lock(&self.inner.task);
+    fn kick(self: &Arc<Self>) {
+        self.kick.notify_one();
+        let mut task = lock(&self.task);
         if task.as_ref().is_some_and(|t| !t.is_finished()) {
             return;
         }
-        // On the store's runtime while it runs, else on the caller's;
+        // On the watcher's runtime while it runs, else on the caller's;
         // outside a tokio runtime nothing can be watched and relays poll.
         // A task spawned on a runtime that has shut down is finished at
         // once.
         let spawn = |rt: &tokio::runtime::Handle| {
-            rt.spawn(run(
-                Arc::downgrade(&self.inner),
-                Arc::clone(&self.inner.kick),
-            ))
+            rt.spawn(run(Arc::downgrade(self), Arc::clone(&self.kick)))
         };
-        *task = (self.inner.home.as_ref().map(spawn))
+        *task = (self.home.as_ref().map(spawn))
             .filter(|t| !t.is_finished())
             .or_else(|| {
                 tokio::runtime::Handle::try_current()
                     .ok()
                     .map(|rt| spawn(&rt))
             });
+    }
+
+    /// `target` is owed a notification.
+    fn owe(&self, state: &mut State, target: &Arc<Target>) {
+        let mut debounce = lock(&target.notify);
+        if !debounce.due {
+            debounce.due = true;
+            state.due.push(Arc::clone(target));
+        }
+    }
+}
+
+impl Announcer {
+    /// The announcer of the table whose relays `local` wakes and whose
+    /// channel is `channel` (`table` names it in logs), watching through
+    /// `watcher`; `enabled` false announces nothing.
+    pub(crate) fn new(
+        watcher: Arc<Watcher>,
+        channel: String,
+        table: String,
+        local: Wakeup,
+        debounce: Duration,
+        enabled: bool,
+    ) -> Self {
+        Announcer {
+            target: Arc::new(Target {
+                local,
+                channel,
+                token: outbox_api::MessageId::new().to_string(),
+                debounce,
+                table,
+                notify: Mutex::default(),
+            }),
+            watcher,
+            enabled,
+        }
+    }
+
+    /// The in-process signal.
+    pub(crate) fn local(&self) -> &Wakeup {
+        &self.target.local
+    }
+
+    /// The payload of this announcer's notifications: a listener of the
+    /// same store skips them (their relays were woken in-process first).
+    pub(crate) fn token(&self) -> &str {
+        &self.target.token
+    }
+
+    /// Watches transaction `xid` (as `pg_current_xact_id()` printed it)
+    /// until it ends; announces it if it committed.
+    pub(crate) fn watch(&self, xid: &str) {
+        if !self.enabled {
+            return;
+        }
+        let Ok(xid) = xid.parse::<u64>() else {
+            tracing::debug!(xid, "unexpected transaction id; announcing at once");
+            return self.committed();
+        };
+        {
+            let mut state = lock(&self.watcher.state);
+            let watched = state.watching.entry(xid).or_insert_with(|| Watched {
+                seen: Instant::now(),
+                looked: false,
+                waited: false,
+                targets: Vec::with_capacity(1),
+            });
+            // One transaction may enqueue into several tables.
+            if !watched
+                .targets
+                .iter()
+                .any(|t| Arc::ptr_eq(t, &self.target))
+            {
+                watched.targets.push(Arc::clone(&self.target));
+            }
+        }
+        self.watcher.kick();
+    }
+
+    /// Something committed that relays may claim: wakes this process's
+    /// relays now and other processes' within the debounce interval.
+    pub(crate) fn committed(&self) {
+        self.target.local.notify();
+        self.watcher
+            .owe(&mut lock(&self.watcher.state), &self.target);
+        self.watcher.kick();
+    }
+
+    /// Something committed that announced itself to other processes (a
+    /// `NOTIFY` in its own transaction): wakes this process's relays now.
+    pub(crate) fn committed_and_notified(&self) {
+        self.target.local.notify();
     }
 }
 
@@ -214,7 +307,7 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// A transaction that enqueued and has not been seen to end.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 struct Watched {
     /// When its first enqueue was reported.
     seen: Instant,
@@ -224,6 +317,8 @@ struct Watched {
     /// did, or could not spare a connection for it): it is waited for
     /// once, then looked at.
     waited: bool,
+    /// The tables it enqueued into.
+    targets: Vec<Arc<Target>>,
 }
 
 impl Watched {
@@ -243,20 +338,19 @@ impl Watched {
     }
 }
 
-/// The watcher: looks at the watched transactions, announces commits (the
-/// `NOTIFY` rides with the look that found them, when the debounce allows,
-/// else it follows on its own); ends when its store is gone.
-async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
-    let mut last_notify: Option<Instant> = None;
+/// The watcher's task: looks at the watched transactions, announces
+/// commits (the `NOTIFY` rides with the look that found them, where the
+/// debounce allows, else it follows on its own); ends when every
+/// announcer of the watcher is gone.
+async fn run(weak: Weak<Watcher>, kick: Arc<Notify>) {
     let mut last_look: Option<Instant> = None;
     loop {
-        let Some(inner) = weak.upgrade() else { return };
+        let Some(watcher) = weak.upgrade() else { return };
         let now = Instant::now();
-        let notify_allowed = |now: Instant| last_notify.map_or(now, |t| t + inner.debounce);
         // The soonest a look is due, never sooner than LOOK_GAP after the
         // last one.
         let look_at = {
-            let state = lock(&inner.state);
+            let state = lock(&watcher.state);
             state
                 .watching
                 .values()
@@ -266,24 +360,20 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
         };
         if look_at.is_some_and(|at| at <= now) {
             last_look = Some(now);
-            let notify = notify_allowed(now) <= now;
-            if look(&inner, notify, to_wait_for(&inner)).await {
-                last_notify = Some(now);
-            }
+            let wait_for = to_wait_for(&watcher);
+            look(&watcher, now, wait_for).await;
             continue;
         }
-        let mut next = look_at;
-        if lock(&inner.state).notify_due {
-            let allowed = notify_allowed(now);
-            if allowed <= now {
-                lock(&inner.state).notify_due = false;
-                last_notify = Some(now);
-                send_notify(&inner).await;
-                continue;
-            }
-            next = Some(next.map_or(allowed, |n| n.min(allowed)));
+        let (send, later) = due_notifications(&watcher, now);
+        if !send.is_empty() {
+            send_notify(&watcher, &send).await;
+            continue;
         }
-        drop(inner);
+        let next = match (look_at, later) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        drop(watcher);
         let sleep = match next {
             Some(at) => tokio::time::sleep_until(at),
             None => tokio::time::sleep(IDLE_CHECK),
@@ -295,9 +385,32 @@ async fn run(weak: Weak<Inner>, kick: Arc<Notify>) {
     }
 }
 
+/// The targets owed a notification whose debounce allows it `now` (taken
+/// off the list, their notification counted as sent now), and the soonest
+/// another's allows it.
+fn due_notifications(watcher: &Watcher, now: Instant) -> (Vec<Arc<Target>>, Option<Instant>) {
+    let mut state = lock(&watcher.state);
+    let mut send = Vec::new();
+    let mut later: Option<Instant> = None;
+    state.due.retain(|target| {
+        let mut debounce = lock(&target.notify);
+        let allowed = debounce.last.map_or(now, |t| t + target.debounce);
+        if allowed <= now {
+            debounce.due = false;
+            debounce.last = Some(now);
+            send.push(Arc::clone(target));
+            false
+        } else {
+            later = Some(later.map_or(allowed, |l| l.min(allowed)));
+            true
+        }
+    });
+    (send, later)
+}
+
 /// The oldest watched transaction not yet waited for, marked as waited for.
-fn to_wait_for(inner: &Inner) -> Option<u64> {
-    let mut state = lock(&inner.state);
+fn to_wait_for(watcher: &Watcher) -> Option<u64> {
+    let mut state = lock(&watcher.state);
     let (&xid, watched) = state
         .watching
         .iter_mut()
@@ -315,35 +428,49 @@ fn spare_connection(pool: &PgPool) -> Option<sqlx::pool::PoolConnection<sqlx::Po
     (pool.num_idle() > 0 || room).then_some(conn)
 }
 
-/// One look at every watched transaction's status, in one statement that
-/// also sends the `NOTIFY` when `notify` and any has committed (the
-/// notification goes out as the look's own transaction commits, right
-/// after the look). A transaction counts as committed once a fresh
-/// snapshot sees it (`pg_visible_in_snapshot`): the commit log says
-/// "committed" a moment before the transaction leaves the list of running
-/// ones, and a relay woken in that moment would claim without seeing its
-/// messages. With `wait_for`, the statement first waits (at most
-/// [`WAIT_AT_MOST`]) for that transaction to end. Returns whether the
-/// `NOTIFY` was sent.
-async fn look(inner: &Inner, notify: bool, wait_for: Option<u64>) -> bool {
-    let watching: Vec<u64> = lock(&inner.state).watching.keys().copied().collect();
-    if watching.is_empty() {
-        return false;
+/// One look ([`LOOK`]) at every watched transaction's status, started at
+/// `now`, notifying the channels of those that committed where their
+/// debounce allows. With `wait_for`, the statement first waits (at most
+/// [`WAIT_AT_MOST`]) for that transaction to end ([`WAIT_LOOK`]).
+async fn look(watcher: &Watcher, now: Instant, wait_for: Option<u64>) {
+    // One row per transaction and table; the channel empty where the
+    // table's notification must wait.
+    let (mut ids, mut channels, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    // The tables whose channel the look notifies if they committed.
+    let mut offered: HashSet<usize> = HashSet::new();
+    {
+        let state = lock(&watcher.state);
+        for (xid, watched) in &state.watching {
+            for target in &watched.targets {
+                ids.push(xid.to_string());
+                let allowed = target.may_notify(now);
+                channels.push(if allowed {
+                    target.channel.as_str().to_owned()
+                } else {
+                    String::new()
+                });
+                tokens.push(target.token.clone());
+                if allowed {
+                    offered.insert(key(target));
+                }
+            }
+        }
     }
-    let ids: Vec<String> = watching.iter().map(u64::to_string).collect();
+    if ids.is_empty() {
+        return;
+    }
     // The wait holds a connection until the transaction ends: never the
     // pool's last one (a pool of one connection, a fleet's pinned pool,
     // serves the relays' claims; it only looks).
-    let waiting = wait_for.and_then(|xid| Some((xid, spare_connection(&inner.pool)?)));
+    let waiting = wait_for.and_then(|xid| Some((xid, spare_connection(&watcher.pool)?)));
     let statement = match waiting {
         Some(_) => WAIT_LOOK,
-        None => inner.sql.look.as_str(),
+        None => LOOK,
     };
     let mut query = sqlx::query(AssertSqlSafe(statement))
         .bind(&ids)
-        .bind(notify)
-        .bind(&inner.channel)
-        .bind(&inner.token);
+        .bind(&channels)
+        .bind(&tokens);
     let result = match waiting {
         Some((xid, mut conn)) => {
             query = query
@@ -352,88 +479,98 @@ async fn look(inner: &Inner, notify: bool, wait_for: Option<u64>) -> bool {
                 .bind(xid.to_string());
             query.fetch_all(&mut *conn).await
         }
-        None => query.fetch_all(&inner.pool).await,
+        None => query.fetch_all(&watcher.pool).await,
     };
     let rows: Vec<PgRow> = match result {
         Ok(rows) => rows,
         // Still open after the wait: it is looked at from now on.
         Err(e) if e.as_database_error().and_then(|d| d.code()).as_deref() == Some("55P03") => {
-            return false;
+            return;
         }
         Err(e) => {
             // Cannot tell: announce them as if committed (a wake-up too
             // many costs one empty claim) and stop watching them; a
             // commit that comes later is found by the relays' polling.
-            tracing::debug!(error = %e, table = %inner.sql.names.outbox_display(),
-                "could not look at enqueuing transactions; announcing them");
-            {
-                let mut state = lock(&inner.state);
-                for xid in &watching {
-                    state.watching.remove(xid);
+            let mut state = lock(&watcher.state);
+            let watched: Vec<u64> = ids.iter().filter_map(|x| x.parse().ok()).collect();
+            for xid in watched {
+                let Some(w) = state.watching.remove(&xid) else {
+                    continue;
+                };
+                for target in &w.targets {
+                    tracing::debug!(error = %e, table = %target.table,
+                        "could not look at enqueuing transactions; announcing them");
+                    target.local.notify();
+                    watcher.owe(&mut state, target);
                 }
-                state.notify_due = true;
             }
-            inner.local.notify();
-            return false;
+            return;
         }
     };
-    let mut any_committed = false;
-    let mut notified = false;
-    {
-        let mut state = lock(&inner.state);
-        for row in rows {
-            let xid: String = row.try_get(0).unwrap_or_default();
-            let status: Option<String> = row.try_get(1).unwrap_or(None);
-            notified |= row.try_get::<bool, _>(2).unwrap_or(false);
-            let Ok(xid) = xid.parse::<u64>() else {
-                continue;
-            };
-            match status.as_deref() {
-                Some("in progress") => {
-                    if let Some(w) = state.watching.get_mut(&xid) {
-                        w.looked = true;
-                    }
-                }
-                Some("committed") => {
-                    any_committed = true;
-                    state.watching.remove(&xid);
-                }
-                // Aborted, or too old for the commit log to tell.
-                _ => {
-                    state.watching.remove(&xid);
+    let mut state = lock(&watcher.state);
+    let mut committed: HashMap<usize, Arc<Target>> = HashMap::new();
+    let mut sent = false;
+    for row in rows {
+        let xid: String = row.try_get(0).unwrap_or_default();
+        let status: Option<String> = row.try_get(1).unwrap_or(None);
+        sent |= row.try_get::<i64, _>(2).unwrap_or(0) > 0;
+        let Ok(xid) = xid.parse::<u64>() else {
+            continue;
+        };
+        match status.as_deref() {
+            Some("in progress") => {
+                if let Some(w) = state.watching.get_mut(&xid) {
+                    w.looked = true;
                 }
             }
-        }
-        if any_committed && !notified {
-            state.notify_due = true;
+            Some("committed") => {
+                if let Some(w) = state.watching.remove(&xid) {
+                    for target in w.targets {
+                        committed.insert(key(&target), target);
+                    }
+                }
+            }
+            // Aborted, or too old for the commit log to tell.
+            _ => {
+                state.watching.remove(&xid);
+            }
         }
     }
-    if any_committed {
-        inner.local.notify();
+    for target in committed.values() {
+        target.local.notify();
+        let notified = sent && offered.contains(&key(target));
+        if notified {
+            lock(&target.notify).last = Some(now);
+        } else {
+            watcher.owe(&mut state, target);
+        }
     }
-    forget_old(inner);
-    notified
-}
-
-fn forget_old(inner: &Inner) {
-    lock(&inner.state)
+    state
         .watching
         .retain(|_, w| w.seen.elapsed() < GIVE_UP_AFTER);
 }
 
-/// `pg_notify` on its own connection, in its own transaction (one
-/// statement, one round trip): the database-wide lock NOTIFY takes at
+/// A target's identity while it lives (its address).
+fn key(target: &Arc<Target>) -> usize {
+    Arc::as_ptr(target) as usize
+}
+
+/// `pg_notify` for each of `targets` on the watcher's pool, in one
+/// statement, its own transaction: the database-wide lock NOTIFY takes at
 /// commit is held for this tiny statement only, at most once per debounce
-/// interval. (It writes no commit record that waits for a flush: 300 such
-/// transactions did one WAL sync between them, `pg_stat_wal.wal_sync`.)
-async fn send_notify(inner: &Inner) {
-    if let Err(e) = sqlx::query(AssertSqlSafe(inner.sql.notify.as_str()))
-        .bind(&inner.channel)
-        .bind(&inner.token)
-        .execute(&inner.pool)
+/// interval for each table. (It writes no commit record that waits for a
+/// flush: 300 such transactions did one WAL sync between them,
+/// `pg_stat_wal.wal_sync`.)
+async fn send_notify(watcher: &Watcher, targets: &[Arc<Target>]) {
+    let channels: Vec<&str> = targets.iter().map(|t| t.channel.as_str()).collect();
+    let tokens: Vec<&str> = targets.iter().map(|t| t.token.as_str()).collect();
+    if let Err(e) = sqlx::query(AssertSqlSafe(NOTIFY))
+        .bind(&channels)
+        .bind(&tokens)
+        .execute(&watcher.pool)
         .await
     {
-        tracing::debug!(error = %e, channel = %inner.channel,
+        tracing::debug!(error = %e, channels = ?channels,
             "could not notify other processes; their relays will poll");
     }
 }

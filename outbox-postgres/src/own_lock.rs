@@ -25,35 +25,37 @@ const OWN_LOCK: &str = concat!(
 );
 
 /// The commit watcher's look that first waits for one transaction to end
-/// (src/announce.rs): `$5` its [`own_lock_key`], `$6` how long to wait
+/// (src/announce.rs): `$4` its [`own_lock_key`], `$5` how long to wait
 /// (a `lock_timeout`; past it the statement fails with `55P03` and the
-/// watcher asks as before), `$7` its id; then as [`Sql::look`](crate::schema::Sql::look), except
-/// that when the transaction held its lock as the statement began
-/// (`held`), its status is taken as the commit log gives it. The snapshot
-/// of this statement was taken before the wait and still lists it as
-/// running, but a transaction gives up its locks only after it has left
-/// the list of running ones, so a relay woken now sees its messages. A
-/// lock that was not held (a savepoint rolled back, an older release's
-/// enqueue) proves nothing: that transaction is judged by the snapshot.
+/// watcher asks as before), `$6` its id; then as
+/// [`LOOK`](crate::announce::LOOK) (`$1` to `$3`), except that when the
+/// transaction held its lock as the statement began (`held`), its status
+/// is taken as the commit log gives it. The snapshot of this statement was
+/// taken before the wait and still lists it as running, but a transaction
+/// gives up its locks only after it has left the list of running ones, so
+/// a relay woken now sees its messages. A lock that was not held (a
+/// savepoint rolled back, an older release's enqueue) proves nothing: that
+/// transaction is judged by the snapshot.
 pub(crate) const WAIT_LOOK: &str = concat!(
     "WITH w AS MATERIALIZED (
        SELECT held, pg_advisory_xact_lock_shared(",
     own_lock_class!(),
-    ", $5::int4) AS waited
-       FROM (SELECT set_config('lock_timeout', $6, true) AS timeout,
+    ", $4::int4) AS waited
+       FROM (SELECT set_config('lock_timeout', $5, true) AS timeout,
                     NOT pg_try_advisory_xact_lock_shared(",
     own_lock_class!(),
-    ", $5::int4) AS held) AS t),
+    ", $4::int4) AS held) AS t),
      s AS MATERIALIZED (
-       SELECT x, CASE
-         WHEN st = 'committed' AND NOT (x = $7 AND l.held)
+       SELECT x, ch, tok, CASE
+         WHEN st = 'committed' AND NOT (x = $6 AND l.held)
           AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
          THEN 'in progress' ELSE st END AS status
-       FROM unnest($1::text[]) AS x,
+       FROM unnest($1::text[], $2::text[], $3::text[]) AS u(x, ch, tok),
             LATERAL (SELECT pg_xact_status(x::xid8) AS st, held FROM w) AS l),
      n AS MATERIALIZED (
-       SELECT pg_notify($3, $4) FROM s WHERE $2 AND status = 'committed' LIMIT 1)
-     SELECT x, status, (SELECT count(*) FROM n) > 0 FROM s"
+       SELECT pg_notify(ch, tok) FROM (
+         SELECT DISTINCT ch, tok FROM s WHERE ch <> '' AND status = 'committed') AS d)
+     SELECT x, status, (SELECT count(*) FROM n) FROM s"
 );
 
 /// The column that takes [`OWN_LOCK`] in an insert's first step, or

@@ -223,13 +223,6 @@ pub(crate) struct Sql {
     pub purge: String,
     pub count_state: String,
     pub oldest_pending: String,
-    pub notify: String,
-    /// The commit watcher's look (src/announce.rs): `$1` the watched
-    /// transaction ids (text), `$2` whether to `NOTIFY` channel `$3` (with
-    /// payload `$4`, the announcer's token) when any has committed; rows:
-    /// id, status (`committed` only once a fresh snapshot sees it), whether
-    /// the `NOTIFY` was sent.
-    pub look: String,
     /// The floor's candidate (src/floor.rs): retry generation, last `seq`
     /// drawn, a fresh transaction id, the `seq` sequence's cache size.
     pub floor_candidate: String,
@@ -406,18 +399,6 @@ impl Sql {
                  WHERE state = 'pending' AND seq >= (SELECT seq FROM floor) ORDER BY seq LIMIT 1",
                 floor = floor_cte(&names, 1)
             ),
-            notify: "SELECT pg_notify($1, $2)".to_owned(),
-            look: "WITH s AS MATERIALIZED (
-                     SELECT x, CASE
-                       WHEN st = 'committed'
-                        AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
-                       THEN 'in progress' ELSE st END AS status
-                     FROM unnest($1::text[]) AS x,
-                          LATERAL pg_xact_status(x::xid8) AS st),
-                   n AS MATERIALIZED (
-                     SELECT pg_notify($3, $4) FROM s WHERE $2 AND status = 'committed' LIMIT 1)
-                   SELECT x, status, (SELECT count(*) FROM n) > 0 FROM s"
-                .to_owned(),
             // Taking a transaction id writes no WAL, so this statement's
             // commit waits for no flush (300 of them: one
             // `pg_stat_wal.wal_sync`).
@@ -451,8 +432,6 @@ impl Sql {
             &mut sql.purge,
             &mut sql.count_state,
             &mut sql.oldest_pending,
-            &mut sql.notify,
-            &mut sql.look,
             &mut sql.floor_candidate,
             &mut sql.floor_check,
         ] {

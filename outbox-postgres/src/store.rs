@@ -11,7 +11,7 @@ use outbox_api::{
 };
 use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row, Transaction};
 
-use crate::announce::{Announcer, shared_wakeup};
+use crate::announce::{Announcer, Watcher, shared_wakeup};
 use crate::error::{from_sqlx, storable};
 use crate::floor::ClaimFloor;
 use crate::listener::{PgWorkListener, WakeUp};
@@ -118,9 +118,16 @@ impl PgStore {
             keep_processed,
             announce.is_some(),
         ));
+        // The stores that listen through one shared listener (a fleet's
+        // tenants) also share its commit watcher.
+        let watcher = match &shared_listener {
+            Some(shared) => shared.watcher(),
+            None => Watcher::new(pool.clone()),
+        };
         let announcer = Announcer::new(
-            pool.clone(),
-            Arc::clone(&sql),
+            watcher,
+            sql.names.channel(),
+            sql.names.outbox_display(),
             shared_wakeup(&identity),
             announce.unwrap_or_default(),
             announce.is_some(),

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use outbox_api::testing::wait_until;
 use outbox_api::{ErrorKind, Store, WorkListener};
-use outbox_postgres::sqlx::{self, PgPool, postgres::PgConnectOptions, postgres::PgPoolOptions};
+use outbox_api::{MessageKind, NewMessage};
+use outbox_postgres::sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use outbox_postgres::sqlx::{self, PgPool};
 use outbox_postgres::testing::{PgUnderTest, commit_one, database_url, listens};
 use outbox_postgres::{PgSharedListener, PgStore, WakeUp};
 
@@ -121,6 +123,78 @@ async fn outboxes_of_many_schemas_share_one_listen_connection_and_a_commit_wakes
         "woken after the reconnect"
     );
     assert!(!listeners[1].wait(Duration::ZERO).await);
+}
+
+/// The stores built with one shared listener share one commit watcher
+/// too, on a connection of its own opened with the listener's options:
+/// a commit into one store, and one transaction that enqueued into two
+/// others, are announced to other processes with a `NOTIFY` on each
+/// table's channel, sent from that connection, whose last statement was
+/// the watcher's look. (With a watcher per store, the looks and the
+/// notifications came from the stores' own pools.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stores_of_one_shared_listener_share_one_commit_watcher() {
+    let name = format!("shared-watcher-{}", std::process::id());
+    let pool = named_pool(&name).await;
+    let shared = PgSharedListener::new(&pool);
+    let mut fixtures = Vec::new();
+    for _ in 0..3 {
+        fixtures.push(PgUnderTest::fresh_with(None, |b| b.listen_through(&shared)).await);
+    }
+    let mut raw = PgListener::connect(&database_url()).await.unwrap();
+    for f in &fixtures {
+        raw.listen(&f.pg().channel()).await.unwrap();
+    }
+    // Each notification heard within the deadline: its channel and the
+    // server process that sent it.
+    async fn heard(raw: &mut PgListener, n: usize) -> Vec<(String, u32)> {
+        let mut out = Vec::new();
+        while out.len() < n {
+            let note = tokio::time::timeout(DEADLINE, raw.recv())
+                .await
+                .expect("a commit is announced within the deadline")
+                .unwrap();
+            out.push((note.channel().to_owned(), note.process_id()));
+        }
+        out
+    }
+    commit_one(fixtures[0].pg()).await;
+    let mut notes = heard(&mut raw, 1).await;
+    assert_eq!(notes[0].0, fixtures[0].pg().channel());
+
+    let mut tx = fixtures[1].pool().begin().await.unwrap();
+    for f in &fixtures[1..] {
+        let m = NewMessage::new(MessageKind::Domain, "T", b"x".to_vec());
+        f.pg().outbox().enqueue(&mut tx, m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut two = heard(&mut raw, 2).await;
+    two.sort();
+    let mut want = vec![fixtures[1].pg().channel(), fixtures[2].pg().channel()];
+    want.sort();
+    assert_eq!(two.iter().map(|(c, _)| c.clone()).collect::<Vec<_>>(), want);
+    notes.extend(two);
+
+    let watchers: Vec<i32> = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity \
+         WHERE application_name = $1 AND query LIKE '%pg_xact_status%' \
+           AND pid <> pg_backend_pid()",
+    )
+    .bind(&name)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        watchers.len(),
+        1,
+        "one connection of the shared listener's options looks at the transactions"
+    );
+    for (channel, pid) in notes {
+        assert_eq!(
+            pid as i32, watchers[0],
+            "the notification on {channel} came from the shared watcher's connection"
+        );
+    }
 }
 
 /// The shared listener's task runs on the runtime of the first relay that
