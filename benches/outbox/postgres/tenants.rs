@@ -1,7 +1,8 @@
 //! Part `postgres-tenants` (`cargo bench --bench outbox -- tenants`): a
 //! fleet over 1,000 tenant schemas of the local database (20 in quick
 //! mode), on 8 pools of one connection each (`PgTenantPools`, a tenant
-//! pinned to one) and one shared `LISTEN` connection, each figure beside
+//! pinned to one) and one shared `LISTEN` connection (with its shared
+//! commit watcher's connection), each figure beside
 //! its baseline from the same run:
 //!
 //! * the other 999 each commit 1 msg/s, open loop, for a warm-up of 20 s
@@ -466,9 +467,9 @@ async fn busy_figures(
         )
         .beside("a relay alone, nobody writing", alone_rate),
     );
-    // Connections: the fleet's pool and its one LISTEN connection, against
-    // single relays, each with a pool (of at least one connection) and a
-    // LISTEN connection of its own.
+    // Connections: the fleet's pools, its LISTEN connection and its commit
+    // watcher's, against single relays, each with a pool (of at least one
+    // connection) and a LISTEN connection of its own.
     let max: i64 =
         sqlx::query_scalar("SELECT setting::int8 FROM pg_settings WHERE name = 'max_connections'")
             .fetch_one(pool)
@@ -477,7 +478,7 @@ async fn busy_figures(
     out.push(
         Figure::new(
             format!(
-                "tenants: connections held by the fleet of {n} ({POOLS} pinned pools of 1 + 1 LISTEN)"
+                "tenants: connections held by the fleet of {n} ({POOLS} pinned pools of 1 + 1 LISTEN + 1 commit watcher)"
             ),
             held as f64,
             "conns",
