@@ -21,8 +21,8 @@
 //! SQLite) and exits 1 if anything is missing.
 //!
 //! On PostgreSQL the tenants' stores share four pools of two connections,
-//! each tenant pinned to one ([`PgTenantPools`]), and one `LISTEN`
-//! connection ([`PgSharedListener`]); on SQLite their files are opened on
+//! each tenant pinned to one ([`PgTenantPools`]), one `LISTEN` connection
+//! and one commit watcher's ([`PgSharedListener`]); on SQLite their files are opened on
 //! demand, at most 16 at once, and closed when idle ([`SqliteFiles`]). Its
 //! schemas (`tenants_example_<pid>_<i>`) or files are dropped at the end.
 
@@ -234,8 +234,8 @@ fn schema(i: usize) -> String {
 
 /// Every tenant on PostgreSQL: a schema each; for the stores, four small
 /// pools (each tenant pinned to one, its statements kept prepared there)
-/// and one `LISTEN` connection for all of them; for the application's own
-/// statements, a pool of its own.
+/// and one `LISTEN` connection and one commit watcher's for all of them;
+/// for the application's own statements, a pool of its own.
 async fn postgres_tenants(url: &str, n: usize) -> Result<(Vec<TenantDb>, PgPool), Failure> {
     let pools = PgTenantPools::connect(url.parse()?, 4, 2).await?;
     let shared = PgSharedListener::new(&pools.pools()[0]);
@@ -406,7 +406,7 @@ async fn run(a: Args) -> Result<bool, Failure> {
             .fetch_one(pool)
             .await?;
             format!(
-                "{held} connections to the database (for every tenant's store, at most four pools of 2 and one LISTEN; the application's own pool, at most 4)"
+                "{held} connections to the database (for every tenant's store, at most four pools of 2, one LISTEN and one commit watcher; the application's own pool, at most 4)"
             )
         }
         None => format!(
