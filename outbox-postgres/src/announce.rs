@@ -82,7 +82,8 @@ pub(crate) const LOOK: &str = "WITH s AS MATERIALIZED (
 
 /// `pg_notify` for each channel `$1` with its payload `$2`, in one
 /// statement, its own transaction.
-const NOTIFY: &str = "SELECT count(pg_notify(ch, tok)) FROM unnest($1::text[], $2::text[]) AS u(ch, tok)";
+const NOTIFY: &str =
+    "SELECT count(pg_notify(ch, tok)) FROM unnest($1::text[], $2::text[]) AS u(ch, tok)";
 
 /// The in-process signal of one outbox table, shared by every store and
 /// outbox opened on it in this process (by server, database, schema, table).
@@ -142,7 +143,9 @@ struct Debounce {
 impl Target {
     /// Whether its debounce lets a notification go out at `now`.
     fn may_notify(&self, now: Instant) -> bool {
-        lock(&self.notify).last.is_none_or(|t| t + self.debounce <= now)
+        lock(&self.notify)
+            .last
+            .is_none_or(|t| t + self.debounce <= now)
     }
 }
 
@@ -273,11 +276,7 @@ impl Announcer {
                 targets: Vec::with_capacity(1),
             });
             // One transaction may enqueue into several tables.
-            if !watched
-                .targets
-                .iter()
-                .any(|t| Arc::ptr_eq(t, &self.target))
-            {
+            if !watched.targets.iter().any(|t| Arc::ptr_eq(t, &self.target)) {
                 watched.targets.push(Arc::clone(&self.target));
             }
         }
@@ -345,7 +344,9 @@ impl Watched {
 async fn run(weak: Weak<Watcher>, kick: Arc<Notify>) {
     let mut last_look: Option<Instant> = None;
     loop {
-        let Some(watcher) = weak.upgrade() else { return };
+        let Some(watcher) = weak.upgrade() else {
+            return;
+        };
         let now = Instant::now();
         // The soonest a look is due, never sooner than LOOK_GAP after the
         // last one.
