@@ -215,6 +215,30 @@ impl Drop for OwnNats {
     }
 }
 
+/// Declares, through `transport`, a consumer test's two streams: `name`,
+/// capturing `{name}.>` (its spec as `adjust` makes it), and `{name}_DEAD`,
+/// capturing `{name}-dead.>`, for the consumer's dead letters.
+///
+/// # Panics
+/// When the server refuses either.
+pub async fn declare_consumer_streams(
+    transport: &crate::NatsTransport,
+    name: &str,
+    adjust: impl FnOnce(crate::StreamSpec) -> crate::StreamSpec,
+) {
+    transport
+        .declare(&adjust(crate::StreamSpec::new(name, [format!("{name}.>")])))
+        .await
+        .expect("declare the test's stream");
+    transport
+        .declare(&crate::StreamSpec::new(
+            format!("{name}_DEAD"),
+            [format!("{name}-dead.>")],
+        ))
+        .await
+        .expect("declare the test's dead-letter stream");
+}
+
 /// A stream of a test's own on the shared server (memory storage),
 /// capturing `{name}.>`, read back message by message.
 #[derive(Debug)]

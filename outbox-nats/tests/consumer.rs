@@ -12,8 +12,8 @@ use async_trait::async_trait;
 use outbox_api::receive::{ConsumerStats, InboxHandler, Received};
 use outbox_api::testing::{ConsumerSettings, ConsumerUnderTest, TcpProxy};
 use outbox_api::{Inbox, MessageId, MessageKind, NewMessage, Outcome, Timestamp, Transport};
-use outbox_nats::testing::{nats_url, server_addr, unique_name};
-use outbox_nats::{NatsConfig, NatsConsumer, NatsConsumerHandle, NatsTransport, StreamSpec};
+use outbox_nats::testing::{declare_consumer_streams, nats_url, server_addr, unique_name};
+use outbox_nats::{NatsConfig, NatsConsumer, NatsConsumerHandle, NatsTransport};
 
 /// The stream's duplicate window: short, so that a message can be sent
 /// again past it, as a relay does after its lease expired.
@@ -37,19 +37,7 @@ impl Nats {
         let transport = NatsTransport::connect(NatsTransport::builder(nats_url()))
             .await
             .expect("connect to NATS");
-        transport
-            .declare(
-                &StreamSpec::new(name.as_str(), [format!("{name}.>")]).duplicate_window(WINDOW),
-            )
-            .await
-            .expect("declare the test's stream");
-        transport
-            .declare(&StreamSpec::new(
-                format!("{name}_DEAD"),
-                [format!("{name}-dead.>")],
-            ))
-            .await
-            .expect("declare the test's dead-letter stream");
+        declare_consumer_streams(&transport, &name, |s| s.duplicate_window(WINDOW)).await;
         let js = transport.jetstream().clone();
         let proxy = TcpProxy::start(server_addr(&nats_url())).await;
         Nats {

@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use outbox_api::testing::{TcpProxy, wait_until};
 use outbox_api::{HandlerError, Message, MessageKind, NewMessage, Outcome, Timestamp, Transport};
-use outbox_nats::testing::{nats_url, server_addr, unique_name};
+use outbox_nats::testing::{declare_consumer_streams, nats_url, server_addr, unique_name};
 use outbox_nats::{
     HandlerFuture, NatsConfig, NatsConsumer, NatsConsumerHandle, NatsTransport, Received,
-    StreamSpec, handler_fn,
+    handler_fn,
 };
 use outbox_postgres::sqlx::{self, PgConnection};
 use outbox_postgres::testing::PgUnderTest;
@@ -38,17 +38,7 @@ impl Fixture {
         )
         .await
         .expect("connect to NATS");
-        transport
-            .declare(&StreamSpec::new(name.as_str(), [format!("{name}.>")]))
-            .await
-            .expect("declare the test's stream");
-        transport
-            .declare(&StreamSpec::new(
-                format!("{name}_DEAD"),
-                [format!("{name}-dead.>")],
-            ))
-            .await
-            .expect("declare the test's dead-letter stream");
+        declare_consumer_streams(&transport, &name, |s| s).await;
         let proxy = TcpProxy::start(server_addr(&nats_url())).await;
         let db = PgUnderTest::fresh(None).await;
         sqlx::query(sqlx::AssertSqlSafe(format!(

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use outbox_api::receive::{HandlerFuture, Received, handler_fn};
 use outbox_api::testing::wait_until;
-use outbox_nats::testing::{nats_url, server_addr, unique_name};
-use outbox_nats::{NatsConfig, NatsConsumer, NatsTransport, StreamSpec};
+use outbox_nats::testing::{declare_consumer_streams, nats_url, server_addr, unique_name};
+use outbox_nats::{NatsConfig, NatsConsumer, NatsTransport};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -149,17 +149,7 @@ async fn a_pull_request_whose_expiry_is_never_reported_does_not_stall_the_worker
     let transport = NatsTransport::connect(NatsTransport::builder(nats_url()))
         .await
         .expect("connect to NATS");
-    transport
-        .declare(&StreamSpec::new(name.as_str(), [format!("{name}.>")]))
-        .await
-        .expect("declare the test's stream");
-    transport
-        .declare(&StreamSpec::new(
-            format!("{name}_DEAD"),
-            [format!("{name}-dead.>")],
-        ))
-        .await
-        .expect("declare the test's dead-letter stream");
+    declare_consumer_streams(&transport, &name, |s| s).await;
     let proxy = No408Proxy::start(server_addr(&nats_url())).await;
     let inbox = outbox_memory::MemoryInbox::new(outbox_memory::MemoryStore::new());
     let handler = handler_fn(
