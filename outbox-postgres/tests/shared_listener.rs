@@ -250,6 +250,53 @@ fn a_listener_whose_runtime_shut_down_starts_again_for_the_next_one() {
     });
 }
 
+/// The shared commit watcher's task and first connection belong to the
+/// runtime it was made on. When that runtime shuts down, a store built on
+/// a later one through the same listener still has its commits announced
+/// to other processes: the task starts again on the later runtime, and the
+/// watcher's pool replaces the connection it lost.
+#[test]
+fn a_watcher_whose_runtime_shut_down_still_announces_the_next_stores_commits() {
+    let name = format!("shared-watcher-rt-{}", std::process::id());
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let (shared, fixture) = first.block_on(async {
+        let pool = named_pool(&name).await;
+        let shared = PgSharedListener::new(&pool);
+        let fixture = PgUnderTest::fresh_with(None, |b| b.listen_through(&shared)).await;
+        // The watcher's connection is opened on this runtime.
+        let mut raw = PgListener::connect(&database_url()).await.unwrap();
+        raw.listen(&fixture.pg().channel()).await.unwrap();
+        commit_one(fixture.pg()).await;
+        tokio::time::timeout(DEADLINE, raw.recv())
+            .await
+            .expect("announced on the first runtime")
+            .unwrap();
+        (shared, fixture)
+    });
+    drop(first);
+
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        let store = PgStore::builder(fixture.url())
+            .schema(fixture.schema())
+            .table("test_outbox")
+            .inbox_table("test_inbox")
+            .max_connections(1)
+            .listen_through(&shared)
+            .connect()
+            .await
+            .unwrap();
+        let mut raw = PgListener::connect(&database_url()).await.unwrap();
+        raw.listen(&store.channel()).await.unwrap();
+        commit_one(&store).await;
+        let note = tokio::time::timeout(DEADLINE, raw.recv())
+            .await
+            .expect("a commit on the later runtime is announced")
+            .unwrap();
+        assert_eq!(note.channel(), store.channel());
+    });
+}
+
 #[tokio::test]
 async fn a_store_that_only_polls_refuses_a_shared_listener() {
     let pool = PgPoolOptions::new()
