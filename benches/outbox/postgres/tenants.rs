@@ -226,7 +226,11 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
         fleet.shutdown().await;
     }
     if part("busy") {
-        out.extend(busy_figures(quick, &pool, &app, &stores, window).await);
+        // Which tenants share the hot tenant's pinned pool.
+        let with_hot: Vec<bool> = (0..n)
+            .map(|i| std::ptr::eq(pools.for_name(&schema(i)), pools.for_name(&schema(0))))
+            .collect();
+        out.extend(busy_figures(quick, &pool, &app, &stores, &with_hot, window).await);
     }
     drop(stores);
     drop_tenants(&pool, n).await;
@@ -320,6 +324,7 @@ async fn busy_figures(
     pool: &PgPool,
     app: &PgPool,
     stores: &[PgStore],
+    with_hot: &[bool],
     window: Duration,
 ) -> Vec<Figure> {
     let (n, writers) = (stores.len(), 16);
@@ -413,6 +418,9 @@ async fn busy_figures(
     fleet.until_idle().await.unwrap();
     // Split by commit time: the warm-up, and the window.
     let (mut warming, mut measured) = (histogram(), histogram());
+    // The window's latencies of the quiet tenants pinned with the hot one,
+    // and of the others.
+    let (mut beside_hot, mut apart) = (histogram(), histogram());
     for seq in 0..produced {
         let (c, h) = (
             committed[seq].load(Ordering::Relaxed),
@@ -421,14 +429,20 @@ async fn busy_figures(
         if c < fleet_from {
             continue;
         }
-        let hist = if c < warm_until {
-            &mut warming
-        } else {
-            &mut measured
-        };
         // A message can be handled before its writer reads the clock
         // after commit: that counts as no wait.
-        hist.record(h.saturating_sub(c).max(1)).unwrap();
+        let wait = h.saturating_sub(c).max(1);
+        if c < warm_until {
+            warming.record(wait).unwrap();
+        } else {
+            measured.record(wait).unwrap();
+            let split = if with_hot[1 + seq % quiet] {
+                &mut beside_hot
+            } else {
+                &mut apart
+            };
+            split.record(wait).unwrap();
+        }
     }
     let rate = measured.len() as f64 / window.as_secs_f64();
     out.extend(latency_rows(
@@ -438,6 +452,21 @@ async fn busy_figures(
         &measured,
         "—",
         "≤ 50 ms",
+    ));
+    out.extend(latency_rows(
+        &format!(
+            "tenants: … of which the {} quiet tenants pinned with the hot one",
+            with_hot[1..].iter().filter(|w| **w).count()
+        ),
+        &beside_hot,
+        "—",
+        "—",
+    ));
+    out.extend(latency_rows(
+        "tenants: … of which the others",
+        &apart,
+        "—",
+        "—",
     ));
     out.extend(latency_rows(
         &format!(
