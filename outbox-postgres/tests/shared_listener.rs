@@ -197,6 +197,22 @@ async fn the_stores_of_one_shared_listener_share_one_commit_watcher() {
     }
 }
 
+/// A store of the current runtime on `fixture`'s table, through `shared`
+/// (a fixture's own pools belong to the runtime it was made on); its poll
+/// is an hour, so only a notification wakes its relays in time.
+async fn store_of_this_runtime(fixture: &PgUnderTest, shared: &PgSharedListener) -> PgStore {
+    PgStore::builder(fixture.url())
+        .schema(fixture.schema())
+        .table("test_outbox")
+        .inbox_table("test_inbox")
+        .max_connections(1)
+        .listen_through(shared)
+        .poll_interval(Duration::from_secs(3600))
+        .connect()
+        .await
+        .unwrap()
+}
+
 /// The shared listener's task runs on the runtime of the first relay that
 /// listened. When that runtime shuts down (an application that set its
 /// first relays up on a runtime it then dropped), the relays of a later
@@ -224,16 +240,7 @@ fn a_listener_whose_runtime_shut_down_starts_again_for_the_next_one() {
     second.block_on(async {
         // A store of this runtime on the same table, through the same
         // shared listener (the first runtime's pools are gone with it).
-        let store = PgStore::builder(fixture.url())
-            .schema(fixture.schema())
-            .table("test_outbox")
-            .inbox_table("test_inbox")
-            .max_connections(1)
-            .listen_through(&shared)
-            .poll_interval(Duration::from_secs(3600))
-            .connect()
-            .await
-            .unwrap();
+        let store = store_of_this_runtime(&fixture, &shared).await;
         let mut listener = store.listen();
         assert!(listener.wait(DEADLINE).await, "a first catch-up report");
         wait_until("the shared connection listens again", DEADLINE, || {
@@ -277,15 +284,7 @@ fn a_watcher_whose_runtime_shut_down_still_announces_the_next_stores_commits() {
 
     let second = tokio::runtime::Runtime::new().unwrap();
     second.block_on(async {
-        let store = PgStore::builder(fixture.url())
-            .schema(fixture.schema())
-            .table("test_outbox")
-            .inbox_table("test_inbox")
-            .max_connections(1)
-            .listen_through(&shared)
-            .connect()
-            .await
-            .unwrap();
+        let store = store_of_this_runtime(&fixture, &shared).await;
         let mut raw = PgListener::connect(&database_url()).await.unwrap();
         raw.listen(&store.channel()).await.unwrap();
         commit_one(&store).await;
