@@ -56,6 +56,20 @@ const GIVE_UP_AFTER: Duration = Duration::from_secs(3600);
 /// How often an idle watcher checks whether its stores are gone.
 const IDLE_CHECK: Duration = Duration::from_secs(1);
 
+/// The end of [`LOOK`] and of [`WAIT_LOOK`], after their statuses `s`
+/// (`x`, `ch`, `tok`, `status`): each committed table's channel notified
+/// once, and the rows.
+macro_rules! notify_committed {
+    () => {
+        "
+     n AS MATERIALIZED (
+       SELECT pg_notify(ch, tok) FROM (
+         SELECT DISTINCT ch, tok FROM s WHERE ch <> '' AND status = 'committed') AS d)
+     SELECT x, status, (SELECT count(*) FROM n) FROM s"
+    };
+}
+pub(crate) use notify_committed;
+
 /// The watcher's look at every watched transaction: `$1` their ids
 /// (text), `$2` and `$3` for each the channel to `NOTIFY` and the payload
 /// (the announcer's token) if it has committed, the channel empty when
@@ -68,17 +82,16 @@ const IDLE_CHECK: Duration = Duration::from_secs(1);
 /// The notifications go out as the look's own transaction commits, right
 /// after it; one channel and payload is notified once however many of its
 /// transactions committed.
-pub(crate) const LOOK: &str = "WITH s AS MATERIALIZED (
+pub(crate) const LOOK: &str = concat!(
+    "WITH s AS MATERIALIZED (
        SELECT x, ch, tok, CASE
          WHEN st = 'committed'
           AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
          THEN 'in progress' ELSE st END AS status
        FROM unnest($1::text[], $2::text[], $3::text[]) AS u(x, ch, tok),
-            LATERAL pg_xact_status(x::xid8) AS st),
-     n AS MATERIALIZED (
-       SELECT pg_notify(ch, tok) FROM (
-         SELECT DISTINCT ch, tok FROM s WHERE ch <> '' AND status = 'committed') AS d)
-     SELECT x, status, (SELECT count(*) FROM n) FROM s";
+            LATERAL pg_xact_status(x::xid8) AS st),",
+    notify_committed!()
+);
 
 /// `pg_notify` for each channel `$1` with its payload `$2`, in one
 /// statement, its own transaction.
@@ -126,8 +139,6 @@ struct Target {
     token: String,
     /// The least time between two of its notifications.
     debounce: Duration,
-    /// The table, for logs.
-    table: String,
     notify: Mutex<Debounce>,
 }
 
@@ -140,12 +151,18 @@ struct Debounce {
     due: bool,
 }
 
+impl Debounce {
+    /// When its table's next notification may go out, `now` at the
+    /// earliest.
+    fn allowed(&self, debounce: Duration, now: Instant) -> Instant {
+        self.last.map_or(now, |t| (t + debounce).max(now))
+    }
+}
+
 impl Target {
     /// Whether its debounce lets a notification go out at `now`.
     fn may_notify(&self, now: Instant) -> bool {
-        lock(&self.notify)
-            .last
-            .is_none_or(|t| t + self.debounce <= now)
+        lock(&self.notify).allowed(self.debounce, now) <= now
     }
 }
 
@@ -222,12 +239,11 @@ impl Watcher {
 
 impl Announcer {
     /// The announcer of the table whose relays `local` wakes and whose
-    /// channel is `channel` (`table` names it in logs), watching through
-    /// `watcher`; `enabled` false announces nothing.
+    /// channel is `channel`, watching through `watcher`; `enabled` false
+    /// announces nothing.
     pub(crate) fn new(
         watcher: Arc<Watcher>,
         channel: String,
-        table: String,
         local: Wakeup,
         debounce: Duration,
         enabled: bool,
@@ -238,7 +254,6 @@ impl Announcer {
                 channel,
                 token: outbox_api::MessageId::new().to_string(),
                 debounce,
-                table,
                 notify: Mutex::default(),
             }),
             watcher,
@@ -306,7 +321,6 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// A transaction that enqueued and has not been seen to end.
-#[derive(Clone)]
 struct Watched {
     /// When its first enqueue was reported.
     seen: Instant,
@@ -395,7 +409,7 @@ fn due_notifications(watcher: &Watcher, now: Instant) -> (Vec<Arc<Target>>, Opti
     let mut later: Option<Instant> = None;
     state.due.retain(|target| {
         let mut debounce = lock(&target.notify);
-        let allowed = debounce.last.map_or(now, |t| t + target.debounce);
+        let allowed = debounce.allowed(target.debounce, now);
         if allowed <= now {
             debounce.due = false;
             debounce.last = Some(now);
@@ -436,17 +450,19 @@ fn spare_connection(pool: &PgPool) -> Option<sqlx::pool::PoolConnection<sqlx::Po
 async fn look(watcher: &Watcher, now: Instant, wait_for: Option<u64>) {
     // One row per transaction and table; the channel empty where the
     // table's notification must wait.
-    let (mut ids, mut channels, mut tokens) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut xids, mut ids, mut channels, mut tokens) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     // The tables whose channel the look notifies if they committed.
     let mut offered: HashSet<usize> = HashSet::new();
     {
         let state = lock(&watcher.state);
-        for (xid, watched) in &state.watching {
+        for (&xid, watched) in &state.watching {
+            xids.push(xid);
             for target in &watched.targets {
                 ids.push(xid.to_string());
                 let allowed = target.may_notify(now);
                 channels.push(if allowed {
-                    target.channel.as_str().to_owned()
+                    target.channel.clone()
                 } else {
                     String::new()
                 });
@@ -492,15 +508,14 @@ async fn look(watcher: &Watcher, now: Instant, wait_for: Option<u64>) {
             // Cannot tell: announce them as if committed (a wake-up too
             // many costs one empty claim) and stop watching them; a
             // commit that comes later is found by the relays' polling.
+            tracing::debug!(error = %e, transactions = xids.len(),
+                "could not look at enqueuing transactions; announcing them");
             let mut state = lock(&watcher.state);
-            let watched: Vec<u64> = ids.iter().filter_map(|x| x.parse().ok()).collect();
-            for xid in watched {
+            for xid in xids {
                 let Some(w) = state.watching.remove(&xid) else {
                     continue;
                 };
                 for target in &w.targets {
-                    tracing::debug!(error = %e, table = %target.table,
-                        "could not look at enqueuing transactions; announcing them");
                     target.local.notify();
                     watcher.owe(&mut state, target);
                 }

@@ -51,11 +51,8 @@ pub(crate) const WAIT_LOOK: &str = concat!(
           AND NOT pg_visible_in_snapshot(x::xid8, pg_current_snapshot())
          THEN 'in progress' ELSE st END AS status
        FROM unnest($1::text[], $2::text[], $3::text[]) AS u(x, ch, tok),
-            LATERAL (SELECT pg_xact_status(x::xid8) AS st, held FROM w) AS l),
-     n AS MATERIALIZED (
-       SELECT pg_notify(ch, tok) FROM (
-         SELECT DISTINCT ch, tok FROM s WHERE ch <> '' AND status = 'committed') AS d)
-     SELECT x, status, (SELECT count(*) FROM n) FROM s"
+            LATERAL (SELECT pg_xact_status(x::xid8) AS st, held FROM w) AS l),",
+    crate::announce::notify_committed!()
 );
 
 /// The column that takes [`OWN_LOCK`] in an insert's first step, or

@@ -127,7 +127,6 @@ impl PgStore {
         let announcer = Announcer::new(
             watcher,
             sql.names.channel(),
-            sql.names.outbox_display(),
             shared_wakeup(&identity),
             announce.unwrap_or_default(),
             announce.is_some(),
