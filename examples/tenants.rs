@@ -233,11 +233,14 @@ fn schema(i: usize) -> String {
 }
 
 /// Every tenant on PostgreSQL: a schema each; for the stores, four small
-/// pools (each tenant pinned to one, its statements kept prepared there)
-/// and one `LISTEN` connection and one commit watcher's for all of them;
-/// for the application's own statements, a pool of its own.
+/// pools (each tenant pinned to one, its statements kept prepared there),
+/// a bulk pool for the large statements of tenants with a backlog, and one
+/// `LISTEN` connection and one commit watcher's for all of them; for the
+/// application's own statements, a pool of its own.
 async fn postgres_tenants(url: &str, n: usize) -> Result<(Vec<TenantDb>, PgPool), Failure> {
-    let pools = PgTenantPools::connect(url.parse()?, 4, 2).await?;
+    let pools = PgTenantPools::connect(url.parse()?, 4, 2)
+        .await?
+        .with_bulk_pool(1)?;
     let shared = PgSharedListener::new(&pools.pools()[0]);
     let app = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -253,7 +256,8 @@ async fn postgres_tenants(url: &str, n: usize) -> Result<(Vec<TenantDb>, PgPool)
         )))
         .execute(&app)
         .await?;
-        let store = PgStore::builder_with_pool(pools.for_name(&schema).clone())
+        let store = pools
+            .builder(&schema)
             .schema(&schema)
             .listen_through(&shared)
             .connect()

@@ -54,6 +54,8 @@ pub struct PgStoreBuilder {
     floor_step: Duration,
     durable_bookkeeping: bool,
     keep_processed: bool,
+    /// The pool of the store's large statements (`PgTenantPools::builder`).
+    pub(crate) bulk: Option<PgPool>,
 }
 
 impl std::fmt::Debug for PgStoreBuilder {
@@ -69,6 +71,7 @@ impl std::fmt::Debug for PgStoreBuilder {
             .field("inbox_table", &self.inbox_table)
             .field("wake_up", &self.wake_up)
             .field("shared_listener", &self.shared_listener.is_some())
+            .field("bulk_pool", &self.bulk.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -297,6 +300,7 @@ impl PgStoreBuilder {
                 floor_step: self.floor_step,
                 durable_bookkeeping: self.durable_bookkeeping,
                 keep_processed: self.keep_processed,
+                bulk: self.bulk,
             },
         ))
     }
@@ -339,6 +343,7 @@ impl PgStore {
             floor_step: DEFAULT_FLOOR_STEP,
             durable_bookkeeping: false,
             keep_processed: true,
+            bulk: None,
         }
     }
 }

@@ -36,7 +36,7 @@ pub use listener::{PgWorkListener, WakeUp};
 pub use outbox::{PgEnqueue, PgOutbox};
 pub use schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA};
 pub use shared_listener::PgSharedListener;
-pub use store::PgStore;
+pub use store::{BULK_ROWS, PgStore};
 pub use tenant_pools::{PgTenantPools, TENANT_STATEMENT_CACHE};
 
 /// The sqlx version this crate links against, re-exported so that

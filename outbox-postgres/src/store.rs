@@ -2,6 +2,7 @@
 //! any number of relays in any processes.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -52,7 +53,24 @@ pub(crate) struct Inner {
     shared_listener: Option<PgSharedListener>,
     poll: Duration,
     floor: ClaimFloor,
+    /// The pool of this store's large statements, if any
+    /// ([`PgTenantPools::with_bulk_pool`](crate::PgTenantPools::with_bulk_pool)).
+    bulk: Option<PgPool>,
+    /// Whether the last claim came back full (as many messages as it
+    /// asked for, or [`BULK_ROWS`] or more): the store is draining a
+    /// backlog, and its claims and completions run on the bulk pool.
+    draining: AtomicBool,
 }
+
+/// A completion of this many messages or more is large, and so is the
+/// next claim of a store whose last claim returned that many or as many as
+/// it asked for: it is draining a backlog. A store made by
+/// [`PgTenantPools::builder`](crate::PgTenantPools::builder), if the
+/// tenant pools have a bulk pool, runs there its large completions and,
+/// while it drains a backlog, all its claims and completions (and always
+/// its backlog's counts and its purge), so that its pinned pool's other
+/// stores do not wait behind them.
+pub const BULK_ROWS: usize = 64;
 
 /// How a [`PgStore`] wakes relays and tends its claim floor (from its
 /// builder).
@@ -72,6 +90,8 @@ pub(crate) struct Tuning {
     /// Whether a completion keeps the message as `processed` (else it
     /// deletes it).
     pub keep_processed: bool,
+    /// The pool of the store's large statements, if any.
+    pub bulk: Option<PgPool>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -102,6 +122,7 @@ impl PgStore {
             floor_step,
             durable_bookkeeping,
             keep_processed,
+            bulk,
         } = tuning;
         let options = pool.connect_options();
         let identity = format!(
@@ -144,6 +165,8 @@ impl PgStore {
                 shared_listener,
                 poll,
                 floor: ClaimFloor::new(floor_step),
+                bulk,
+                draining: AtomicBool::new(false),
             }),
         }
     }
@@ -254,10 +277,33 @@ impl PgStore {
         &self.inner.sql.begin_claim
     }
 
+    /// The pool of a claim or completion over `rows` messages: the bulk
+    /// pool, when there is one, while this store drains a backlog (its
+    /// last claim came back full, so the next is likely as large) or when
+    /// they are [`BULK_ROWS`] or more; else the store's.
+    fn pool_for(&self, rows: usize) -> &PgPool {
+        match &self.inner.bulk {
+            Some(bulk) if rows >= BULK_ROWS || self.inner.draining.load(Ordering::Relaxed) => bulk,
+            _ => &self.inner.pool,
+        }
+    }
+
+    /// The pool of the next claim.
+    fn claim_pool(&self) -> &PgPool {
+        self.pool_for(0)
+    }
+
+    /// The pool of statements whose cost grows with the table (the
+    /// backlog's and the stats' counts, the purge): the bulk pool when
+    /// there is one, so that counting a large backlog (100 ms for 100,000
+    /// messages) holds up none of the stores pinned with this one.
+    fn scan_pool(&self) -> &PgPool {
+        self.inner.bulk.as_ref().unwrap_or(&self.inner.pool)
+    }
+
     /// A transaction with the claim's settings (one round trip).
     async fn begin_claim(&self, what: &str) -> Result<Transaction<'static, Postgres>> {
-        self.inner
-            .pool
+        self.claim_pool()
             .begin_with(AssertSqlSafe(self.inner.sql.begin_claim.as_str()))
             .await
             .map_err(|e| self.fail(e, what))
@@ -410,8 +456,7 @@ impl Store for PgStore {
             // One round trip. A corrupt row's poisoning, if any, follows
             // as statements of their own: the row stays leased meanwhile.
             let mut conn = self
-                .inner
-                .pool
+                .claim_pool()
                 .acquire()
                 .await
                 .map_err(|e| self.fail(e, what))?;
@@ -423,6 +468,8 @@ impl Store for PgStore {
             let result = self.claim_in(&mut tx, request).await;
             self.finish(tx, result, what).await?
         };
+        let full = claimed.len() >= request.limit.min(BULK_ROWS);
+        self.inner.draining.store(full, Ordering::Relaxed);
         self.tend_floor();
         Ok(claimed)
     }
@@ -432,11 +479,12 @@ impl Store for PgStore {
             return Ok(());
         }
         let what = "completing messages";
+        let pool = self.pool_for(ids.len());
         let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
         sqlx::query(AssertSqlSafe(self.inner.sql.complete.as_str()))
             .bind(now.as_millis())
             .bind(ids)
-            .execute(&self.inner.pool)
+            .execute(pool)
             .await
             .map_err(|e| self.fail(e, what))?;
         Ok(())
@@ -513,8 +561,7 @@ impl Store for PgStore {
     async fn stats(&self) -> Result<Stats> {
         let what = "reading stats";
         let mut tx = self
-            .inner
-            .pool
+            .scan_pool()
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await
             .map_err(|e| self.fail(e, what))?;
@@ -537,8 +584,7 @@ impl Store for PgStore {
     async fn backlog(&self) -> Result<Backlog> {
         let what = "reading the backlog";
         let mut tx = self
-            .inner
-            .pool
+            .scan_pool()
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await
             .map_err(|e| self.fail(e, what))?;
@@ -554,7 +600,7 @@ impl Store for PgStore {
         let done = sqlx::query(AssertSqlSafe(self.inner.sql.purge.as_str()))
             .bind(before.as_millis())
             .bind(to_i64(limit))
-            .execute(&self.inner.pool)
+            .execute(self.scan_pool())
             .await
             .map_err(|e| self.fail(e, what))?;
         Ok(done.rows_affected())

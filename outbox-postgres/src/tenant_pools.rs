@@ -8,8 +8,10 @@ use outbox_api::{Error, Result};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
+use crate::builder::PgStoreBuilder;
 use crate::error::from_sqlx;
 use crate::schema::fnv1a;
+use crate::store::PgStore;
 
 /// How many prepared statements each connection keeps: a few per store
 /// for the stores pinned to it (claim, completion, failure, release, the
@@ -40,12 +42,19 @@ pub const TENANT_STATEMENT_CACHE: usize = 1_024;
 /// (`pg_backend_memory_contexts`), so about 200 MB for 1,000 tenants on
 /// pools of one connection, twice that on pools of two. A store uses its
 /// own pool's connections only: a tenant's long statement holds up the
-/// others of its pool, not the rest. Use [`for_name`](Self::for_name)
-/// with [`PgStore::builder_with_pool`](crate::PgStore::builder_with_pool).
-/// Cloning shares the pools.
+/// others of its pool, not the rest — unless the pools have a
+/// [bulk pool](Self::with_bulk_pool): a store's large statements (its
+/// claims and completions while its last claim came back full, a
+/// completion of [`BULK_ROWS`] messages or more, the counts of its backlog
+/// and stats, its purge) then run there, so that a tenant
+/// draining a backlog does not hold up the quiet tenants pinned with it. Make stores
+/// with [`builder`](Self::builder). Cloning shares the pools.
+///
+/// [`BULK_ROWS`]: crate::BULK_ROWS
 #[derive(Clone, Debug)]
 pub struct PgTenantPools {
     pools: Arc<[PgPool]>,
+    bulk: Option<PgPool>,
 }
 
 impl PgTenantPools {
@@ -67,18 +76,34 @@ impl PgTenantPools {
             options.statement_cache_capacity(TENANT_STATEMENT_CACHE),
         );
         let pools = (0..pools)
-            .map(|_| {
-                PgPoolOptions::new()
-                    .max_connections(connections)
-                    // As the store's own pool: a broken connection surfaces
-                    // as an error on use, and the relay retries. sqlx's
-                    // default pings before every acquire, a round trip per
-                    // statement on connections that serve a hundred stores.
-                    .test_before_acquire(false)
-                    .connect_lazy_with(options.clone())
-            })
+            .map(|_| tenant_pool(connections, options.clone()))
             .collect();
-        Ok(PgTenantPools { pools })
+        Ok(PgTenantPools { pools, bulk: None })
+    }
+
+    /// These pools and a bulk pool of `connections`, with the same options
+    /// (connected lazily), for the large statements of every store made
+    /// with [`builder`](Self::builder): its claims and completions while
+    /// its last claim came back full (it is draining a backlog), a
+    /// completion of [`BULK_ROWS`](crate::BULK_ROWS) messages or more, and
+    /// the statements whose cost grows with its table (the backlog's and
+    /// the stats' counts, the purge). Tenants draining backlogs take turns
+    /// on it, so give it as many connections as tenants that may drain at
+    /// once at full speed; a store's small statements stay on its pinned
+    /// pool. Zero connections is a configuration error naming it.
+    pub fn with_bulk_pool(self, connections: u32) -> Result<Self> {
+        if connections == 0 {
+            return Err(Error::config(
+                "PgTenantPools::with_bulk_pool",
+                "needs at least one connection (got 0)",
+            ));
+        }
+        let options = (*self.pools[0].connect_options()).clone();
+        let bulk = tenant_pool(connections, options);
+        Ok(PgTenantPools {
+            bulk: Some(bulk),
+            ..self
+        })
     }
 
     /// [`connect_lazy`](Self::connect_lazy), then one connection of the
@@ -106,8 +131,35 @@ impl PgTenantPools {
         &self.pools[(hash % self.pools.len() as u64) as usize]
     }
 
-    /// Every pool, in order.
+    /// Every pinned pool, in order.
     pub fn pools(&self) -> &[PgPool] {
         &self.pools
     }
+
+    /// The bulk pool, if [`with_bulk_pool`](Self::with_bulk_pool) made one.
+    pub fn bulk(&self) -> Option<&PgPool> {
+        self.bulk.as_ref()
+    }
+
+    /// A builder for the store named `name` (its schema, say, which the
+    /// builder does not set): on the pool [`for_name`](Self::for_name)
+    /// gives, its large statements on the bulk pool if there is one.
+    pub fn builder(&self, name: &str) -> PgStoreBuilder {
+        let mut builder = PgStore::builder_with_pool(self.for_name(name).clone());
+        builder.bulk = self.bulk.clone();
+        builder
+    }
+}
+
+/// A lazily connected pool of `connections` with `options` (which carry
+/// the claim's settings).
+fn tenant_pool(connections: u32, options: PgConnectOptions) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(connections)
+        // As the store's own pool: a broken connection surfaces as an error
+        // on use, and the relay retries. sqlx's default pings before every
+        // acquire, a round trip per statement on connections that serve a
+        // hundred stores.
+        .test_before_acquire(false)
+        .connect_lazy_with(options)
 }

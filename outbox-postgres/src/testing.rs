@@ -127,10 +127,50 @@ impl PgUnderTest {
         Self::fresh_at(clock, &param, adjust).await
     }
 
+    /// [`fresh`](Self::fresh), the store made by
+    /// [`PgTenantPools::builder`](crate::PgTenantPools::builder) over one
+    /// pinned pool of 4 connections and a bulk pool of 2: a fleet's store,
+    /// its claims one statement each, its large statements on the bulk
+    /// pool (a claim after a full one, say). The builder is adjusted as
+    /// in [`fresh_with`](Self::fresh_with).
+    pub async fn fresh_on_tenant_pools(
+        clock: Option<Arc<dyn Clock>>,
+        adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+    ) -> Self {
+        Self::fresh_from(
+            clock,
+            |tagged, schema| {
+                let options: sqlx::postgres::PgConnectOptions =
+                    tagged.parse().expect("the test database's URL");
+                crate::PgTenantPools::connect_lazy(options, 1, 4)
+                    .and_then(|pools| pools.with_bulk_pool(2))
+                    .expect("tenant pools")
+                    .builder(schema)
+            },
+            adjust,
+        )
+        .await
+    }
+
     /// The fixture, `params` (`&name=value…`) added to its store's URL.
     async fn fresh_at(
         clock: Option<Arc<dyn Clock>>,
         params: &str,
+        adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
+    ) -> Self {
+        Self::fresh_from(
+            clock,
+            |tagged, _| PgStore::builder(format!("{tagged}{params}")),
+            adjust,
+        )
+        .await
+    }
+
+    /// The fixture, its store's builder made by `make` from the URL tagged
+    /// with the schema's name and the schema.
+    async fn fresh_from(
+        clock: Option<Arc<dyn Clock>>,
+        make: impl FnOnce(&str, &str) -> PgStoreBuilder,
         adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
     ) -> Self {
         let url = database_url();
@@ -139,7 +179,7 @@ impl PgUnderTest {
         // that its drop can end any of them still open.
         let separator = if url.contains('?') { '&' } else { '?' };
         let tagged = format!("{url}{separator}application_name={schema}");
-        let mut builder = PgStore::builder(format!("{tagged}{params}"))
+        let mut builder = make(&tagged, &schema)
             .schema(schema.clone())
             .table("test_outbox")
             .inbox_table("test_inbox");

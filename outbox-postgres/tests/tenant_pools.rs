@@ -4,18 +4,21 @@
 
 use std::collections::HashSet;
 use std::str::FromStr;
+use std::time::Duration;
 
-use outbox_api::{ErrorKind, Store};
+use outbox_api::{ErrorKind, Store, Timestamp};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, postgres::PgConnectOptions};
-use outbox_postgres::testing::{claim_request, commit_one, database_url, unique_schema};
-use outbox_postgres::{PgStore, PgTenantPools, TENANT_STATEMENT_CACHE};
+use outbox_postgres::testing::{
+    claim_request, commit_one, database_url, test_message, unique_schema,
+};
+use outbox_postgres::{BULK_ROWS, PgStore, PgTenantPools, TENANT_STATEMENT_CACHE};
 
 fn options() -> PgConnectOptions {
     PgConnectOptions::from_str(&database_url()).unwrap()
 }
 
-#[test]
-fn no_pool_or_no_connection_is_refused_naming_it() {
+#[tokio::test]
+async fn no_pool_or_no_connection_is_refused_naming_it() {
     for (pools, connections) in [(0, 1), (2, 0)] {
         let e = PgTenantPools::connect_lazy(options(), pools, connections).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::Config);
@@ -26,6 +29,10 @@ fn no_pool_or_no_connection_is_refused_naming_it() {
             "{e}"
         );
     }
+    let pools = PgTenantPools::connect_lazy(options(), 1, 1).unwrap();
+    let e = pools.with_bulk_pool(0).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config);
+    assert!(e.to_string().contains("with_bulk_pool"), "{e}");
 }
 
 #[tokio::test]
@@ -119,13 +126,19 @@ async fn a_claim_on_the_tenant_pools_is_one_statement() {
         .connect_with(options().application_name(&plain_name))
         .await
         .unwrap();
-    let pinned = PgStore::builder_with_pool(pools.pools()[0].clone())
-        .schema(schema.clone())
+    // No statement of the store's own after its claim: no commit watcher's
+    // look, and the claim floor's first step (a task of its own, after a
+    // claim, on an idle connection) is its last for an hour.
+    let quiet = |b: outbox_postgres::PgStoreBuilder| {
+        b.schema(schema.clone())
+            .announce_commits(false)
+            .claim_floor_step(Duration::from_secs(3600))
+    };
+    let pinned = quiet(PgStore::builder_with_pool(pools.pools()[0].clone()))
         .connect()
         .await
         .unwrap();
-    let other = PgStore::builder_with_pool(plain)
-        .schema(schema.clone())
+    let other = quiet(PgStore::builder_with_pool(plain))
         .connect()
         .await
         .unwrap();
@@ -133,9 +146,17 @@ async fn a_claim_on_the_tenant_pools_is_one_statement() {
     assert!(pinned.claims_in_one_statement());
     assert!(!other.claims_in_one_statement());
     for (store, name) in [(&pinned, &schema), (&other, &plain_name)] {
-        commit_one(store).await;
-        assert_eq!(store.claim(&claim_request(10)).await.unwrap().len(), 1);
-        let last = last_statement(name).await;
+        // If the floor's step ran after the first claim, the second claim
+        // is the last statement.
+        let mut last = String::new();
+        for _ in 0..2 {
+            commit_one(store).await;
+            assert_eq!(store.claim(&claim_request(10)).await.unwrap().len(), 1);
+            last = last_statement(name).await;
+            if !last.contains("pg_current_xact_id") && !last.contains("pg_snapshot_xmin") {
+                break;
+            }
+        }
         let expected = if store.claims_in_one_statement() {
             "picked AS ("
         } else {
@@ -152,4 +173,102 @@ async fn a_claim_on_the_tenant_pools_is_one_statement() {
         .await
         .unwrap();
     assert_eq!(mode, "force_generic_plan");
+}
+
+/// With a bulk pool, a store's large statements run there: a completion of
+/// `BULK_ROWS` messages or more; while the store drains a backlog (its
+/// last claim came back full) all its claims and completions; and the
+/// backlog's counts, whose cost grows with the table. They go on while the
+/// store's pinned connection is held by someone else, as a hot tenant's go
+/// on while its quiet neighbours' short statements hold theirs; until then
+/// they stay on the pinned pool, which opens no connection of the bulk
+/// pool.
+#[tokio::test]
+async fn a_stores_large_statements_run_on_the_bulk_pool() {
+    let schema = unique_schema("tenant_bulk");
+    let pools = PgTenantPools::connect(options(), 1, 1)
+        .await
+        .unwrap()
+        .with_bulk_pool(1)
+        .unwrap();
+    let bulk = pools.bulk().unwrap().clone();
+    let store = pools
+        .builder(&schema)
+        .schema(schema.clone())
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let enqueue = |from: usize, n: usize| {
+        let store = store.clone();
+        async move {
+            let mut tx = store.pool().begin().await.unwrap();
+            for n in from..from + n {
+                store
+                    .outbox()
+                    .enqueue(&mut tx, test_message(n))
+                    .await
+                    .unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+    };
+
+    // A claim that is not full and its completion; then a full claim, as
+    // the one before was not: the pinned pool.
+    enqueue(0, 5).await;
+    let first = store.claim(&claim_request(10)).await.unwrap();
+    store
+        .complete(&ids(&first), Timestamp::now())
+        .await
+        .unwrap();
+    enqueue(5, 2 * BULK_ROWS).await;
+    let second = store.claim(&claim_request(BULK_ROWS)).await.unwrap();
+    assert_eq!((first.len(), second.len()), (5, BULK_ROWS));
+    assert_eq!(bulk.size(), 0, "small statements opened no bulk connection");
+
+    // The pinned pool's one connection is taken: the claim after a full
+    // one, a large completion, a draining store's small one and the
+    // backlog's counts still run.
+    let held = store.pool().acquire().await.unwrap();
+    let deadline = Duration::from_secs(30);
+    let third = tokio::time::timeout(deadline, store.claim(&claim_request(10)))
+        .await
+        .expect("a claim after a full one runs on the bulk pool")
+        .unwrap();
+    assert_eq!(third.len(), 10);
+    tokio::time::timeout(deadline, store.complete(&ids(&second), Timestamp::now()))
+        .await
+        .expect("a large completion runs on the bulk pool")
+        .unwrap();
+    tokio::time::timeout(
+        deadline,
+        store.complete(&ids(&third[..1]), Timestamp::now()),
+    )
+    .await
+    .expect("a draining store's small completion runs on the bulk pool")
+    .unwrap();
+    let backlog = tokio::time::timeout(deadline, store.backlog())
+        .await
+        .expect("the backlog's counts run on the bulk pool")
+        .unwrap();
+    assert_eq!(backlog.pending, (BULK_ROWS - 1) as u64);
+    assert_eq!(bulk.size(), 1);
+    drop(held);
+
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        r#"SELECT count(*) FROM "{schema}".outbox WHERE state = 'pending' AND locked_by IS NULL"#
+    )))
+    .fetch_one(&bulk)
+    .await
+    .unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(r#"DROP SCHEMA "{schema}" CASCADE"#)))
+        .execute(&bulk)
+        .await
+        .unwrap();
+    assert_eq!(left, (BULK_ROWS - 10) as i64);
+}
+
+fn ids(messages: &[outbox_api::Message]) -> Vec<outbox_api::MessageId> {
+    messages.iter().map(|m| m.id).collect()
 }

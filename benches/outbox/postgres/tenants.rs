@@ -1,8 +1,9 @@
 //! Part `postgres-tenants` (`cargo bench --bench outbox -- tenants`): a
 //! fleet over 1,000 tenant schemas of the local database (20 in quick
-//! mode), on 8 pools of one connection each (`PgTenantPools`, a tenant
-//! pinned to one) and one shared `LISTEN` connection (with its shared
-//! commit watcher's connection), each figure beside
+//! mode), on 7 pools of one connection each (`PgTenantPools`, a tenant
+//! pinned to one), a bulk pool of one for the large statements of a
+//! tenant with a backlog, and one shared `LISTEN` connection (with its
+//! shared commit watcher's connection), each figure beside
 //! its baseline from the same run:
 //!
 //! * the other 999 each commit 1 msg/s, open loop, for a warm-up of 20 s
@@ -28,8 +29,9 @@ use outbox_postgres::{PgSharedListener, PgStore, PgTenantPools};
 use crate::common::{Figure, counting_handlers, histogram, latency_rows};
 
 const APP: &str = "outbox-tenants-bench";
-/// The fleet's pools, of one connection each.
-const POOLS: usize = 8;
+/// The fleet's pinned pools, of one connection each (and a bulk pool of
+/// one).
+const POOLS: usize = 7;
 
 fn schema(i: usize) -> String {
     format!("tenants_bench_{i}")
@@ -52,7 +54,8 @@ async fn pool(url: &str, name: &str, size: u32) -> PgPool {
 }
 
 async fn store(pools: &PgTenantPools, shared: &PgSharedListener, i: usize) -> PgStore {
-    PgStore::builder_with_pool(pools.for_name(&schema(i)).clone())
+    pools
+        .builder(&schema(i))
         .schema(schema(i))
         .listen_through(shared)
         .connect()
@@ -189,6 +192,8 @@ pub async fn tenants(quick: bool, url: &str) -> Vec<Figure> {
     // The fleet's pools; the application's writers have a pool of their own.
     let pools = PgTenantPools::connect(options(url, APP), POOLS, 1)
         .await
+        .unwrap()
+        .with_bulk_pool(1)
         .unwrap();
     let app = self::pool(url, "outbox-tenants-bench-app", 16).await;
     let shared = PgSharedListener::new(&pools.pools()[0]);
@@ -507,7 +512,7 @@ async fn busy_figures(
     out.push(
         Figure::new(
             format!(
-                "tenants: connections held by the fleet of {n} ({POOLS} pinned pools of 1 + 1 LISTEN + 1 commit watcher)"
+                "tenants: connections held by the fleet of {n} ({POOLS} pinned pools of 1 + 1 bulk + 1 LISTEN + 1 commit watcher)"
             ),
             held as f64,
             "conns",
