@@ -295,8 +295,9 @@ impl PgStore {
 
     /// The pool of statements whose cost grows with the table (the
     /// backlog's and the stats' counts, the purge): the bulk pool when
-    /// there is one, so that counting a large backlog (100 ms for 100,000
-    /// messages) holds up none of the stores pinned with this one.
+    /// there is one, so that counting a large table (100 ms for 100,000
+    /// messages, drained or not: completed messages are kept until the
+    /// purge) holds up none of the stores pinned with this one.
     fn scan_pool(&self) -> &PgPool {
         self.inner.bulk.as_ref().unwrap_or(&self.inner.pool)
     }
