@@ -67,9 +67,9 @@ pub(crate) struct Inner {
 /// it asked for: it is draining a backlog. A store made by
 /// [`PgTenantPools::builder`](crate::PgTenantPools::builder), if the
 /// tenant pools have a bulk pool, runs there its large completions and,
-/// while it drains a backlog, all its claims and completions (and always
-/// its backlog's counts and its purge), so that its pinned pool's other
-/// stores do not wait behind them.
+/// while it drains a backlog, all its claims, completions and backlog
+/// counts (and always its stats and its purge), so that its pinned pool's
+/// other stores do not wait behind them.
 pub const BULK_ROWS: usize = 64;
 
 /// How a [`PgStore`] wakes relays and tends its claim floor (from its
@@ -223,6 +223,13 @@ impl PgStore {
     }
 
     #[doc(hidden)]
+    /// The statement that counts the messages in one state (`$1`:
+    /// `pending`, `poisoned` or `processed`), for inspection (`EXPLAIN`).
+    pub fn count_statement(&self) -> &str {
+        &self.inner.sql.count_state
+    }
+
+    #[doc(hidden)]
     /// The claim's floor as the claim statement binds it now: the `seq`
     /// its walk of the pending index starts at, and the retry generation
     /// under which that holds (`(0, -1)` before the floor was first set).
@@ -288,16 +295,16 @@ impl PgStore {
         }
     }
 
-    /// The pool of the next claim.
+    /// The pool of the next claim, and of the backlog's counts (a
+    /// draining store's pending messages are many).
     fn claim_pool(&self) -> &PgPool {
         self.pool_for(0)
     }
 
-    /// The pool of statements whose cost grows with the table (the
-    /// backlog's and the stats' counts, the purge): the bulk pool when
-    /// there is one, so that counting a large table (100 ms for 100,000
-    /// messages, drained or not: completed messages are kept until the
-    /// purge) holds up none of the stores pinned with this one.
+    /// The pool of statements whose cost grows with the completed
+    /// messages kept (the stats' count of them, the purge): the bulk pool
+    /// when there is one, so that they hold up none of the stores pinned
+    /// with this one.
     fn scan_pool(&self) -> &PgPool {
         self.inner.bulk.as_ref().unwrap_or(&self.inner.pool)
     }
@@ -585,7 +592,7 @@ impl Store for PgStore {
     async fn backlog(&self) -> Result<Backlog> {
         let what = "reading the backlog";
         let mut tx = self
-            .scan_pool()
+            .claim_pool()
             .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
             .await
             .map_err(|e| self.fail(e, what))?;

@@ -18,6 +18,10 @@ use crate::store::PgStore;
 /// floor's and the backlog's), with room to spare.
 pub const TENANT_STATEMENT_CACHE: usize = 1_024;
 
+/// How many prepared statements each connection of the bulk pool keeps
+/// (sqlx's default).
+const BULK_STATEMENT_CACHE: usize = 100;
+
 /// Small pools of one database for many stores, each store pinned by
 /// name to one of them.
 ///
@@ -44,10 +48,10 @@ pub const TENANT_STATEMENT_CACHE: usize = 1_024;
 /// own pool's connections only: a tenant's long statement holds up the
 /// others of its pool, not the rest — unless the pools have a
 /// [bulk pool](Self::with_bulk_pool): a store's large statements (its
-/// claims and completions while its last claim came back full, a
-/// completion of [`BULK_ROWS`] messages or more, the counts of its backlog
-/// and stats, its purge) then run there, so that a tenant
-/// draining a backlog does not hold up the quiet tenants pinned with it. Make stores
+/// claims, completions and backlog counts while its last claim came back
+/// full, a completion of [`BULK_ROWS`] messages or more, its stats and its
+/// purge) then run there, so that a tenant draining a
+/// backlog does not hold up the quiet tenants pinned with it. Make stores
 /// with [`builder`](Self::builder). Cloning shares the pools.
 ///
 /// [`BULK_ROWS`]: crate::BULK_ROWS
@@ -83,11 +87,11 @@ impl PgTenantPools {
 
     /// These pools and a bulk pool of `connections`, with the same options
     /// (connected lazily), for the large statements of every store made
-    /// with [`builder`](Self::builder): its claims and completions while
-    /// its last claim came back full (it is draining a backlog), a
-    /// completion of [`BULK_ROWS`](crate::BULK_ROWS) messages or more, and
-    /// the statements whose cost grows with its table (the backlog's and
-    /// the stats' counts, the purge). Tenants draining backlogs take turns
+    /// with [`builder`](Self::builder): its claims, completions and
+    /// backlog counts while its last claim came back full (it is draining
+    /// a backlog), a completion of [`BULK_ROWS`](crate::BULK_ROWS)
+    /// messages or more, and the statements whose cost grows with the
+    /// completed messages kept (the stats' count of them, the purge). Tenants draining backlogs take turns
     /// on it, so give it as many connections as tenants that may drain at
     /// once at full speed; a store's small statements stay on its pinned
     /// pool. Zero connections is a configuration error naming it.
@@ -98,7 +102,12 @@ impl PgTenantPools {
                 "needs at least one connection (got 0)",
             ));
         }
-        let options = (*self.pools[0].connect_options()).clone();
+        // sqlx's default cache: the draining tenants' statements stay
+        // prepared; every tenant's stats and purges, rare, would not stay
+        // in a cache of any sensible size.
+        let options = (*self.pools[0].connect_options())
+            .clone()
+            .statement_cache_capacity(BULK_STATEMENT_CACHE);
         let bulk = tenant_pool(connections, options);
         Ok(PgTenantPools {
             bulk: Some(bulk),

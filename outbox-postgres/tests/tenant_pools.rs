@@ -177,12 +177,11 @@ async fn a_claim_on_the_tenant_pools_is_one_statement() {
 
 /// With a bulk pool, a store's large statements run there: a completion of
 /// `BULK_ROWS` messages or more; while the store drains a backlog (its
-/// last claim came back full) all its claims and completions; and the
-/// backlog's counts, whose cost grows with the table. They go on while the
-/// store's pinned connection is held by someone else, as a hot tenant's go
-/// on while its quiet neighbours' short statements hold theirs; until then
-/// they stay on the pinned pool, which opens no connection of the bulk
-/// pool.
+/// last claim came back full) all its claims, completions and backlog
+/// counts. They go on while the store's pinned connection is held by
+/// someone else, as a hot tenant's go on while its quiet neighbours' short
+/// statements hold theirs; until then they stay on the pinned pool, which
+/// opens no connection of the bulk pool.
 #[tokio::test]
 async fn a_stores_large_statements_run_on_the_bulk_pool() {
     let schema = unique_schema("tenant_bulk");
@@ -250,7 +249,7 @@ async fn a_stores_large_statements_run_on_the_bulk_pool() {
     .unwrap();
     let backlog = tokio::time::timeout(deadline, store.backlog())
         .await
-        .expect("the backlog's counts run on the bulk pool")
+        .expect("a draining store's backlog counts run on the bulk pool")
         .unwrap();
     assert_eq!(backlog.pending, (BULK_ROWS - 1) as u64);
     assert_eq!(bulk.size(), 1);
@@ -271,4 +270,59 @@ async fn a_stores_large_statements_run_on_the_bulk_pool() {
 
 fn ids(messages: &[outbox_api::Message]) -> Vec<outbox_api::MessageId> {
     messages.iter().map(|m| m.id).collect()
+}
+
+/// The counts the gauges read every sweep read each state's partial index,
+/// never the whole table, even under the tenant pools' generic plans (with
+/// the completed messages kept, the table is far larger than its backlog).
+#[tokio::test]
+async fn the_backlog_counts_read_their_partial_indexes() {
+    let schema = unique_schema("tenant_counts");
+    let pools = PgTenantPools::connect(options(), 1, 1).await.unwrap();
+    let store = pools
+        .builder(&schema)
+        .schema(schema.clone())
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let pool = pools.pools()[0].clone();
+    // As the store runs it: prepared, under the connection's generic plans.
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "PREPARE count_probe(text) AS {}",
+        store.count_statement()
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let mut plans = Vec::new();
+    for state in ["pending", "poisoned", "processed"] {
+        let rows: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
+            "EXPLAIN EXECUTE count_probe('{state}')"
+        )))
+        .fetch_all(&mut *conn)
+        .await
+        .unwrap();
+        plans.push((state, rows.join("\n")));
+    }
+    sqlx::raw_sql("DEALLOCATE count_probe")
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    drop(conn);
+    commit_one(&store).await;
+    let pending = store.backlog().await.unwrap().pending;
+    sqlx::raw_sql(AssertSqlSafe(format!(r#"DROP SCHEMA "{schema}" CASCADE"#)))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert_eq!(pending, 1);
+    for (state, plan) in plans {
+        assert!(!plan.contains("Seq Scan"), "{state}: {plan}");
+        assert!(
+            plan.contains(&format!("outbox_{state}_idx")),
+            "{state}: {plan}"
+        );
+    }
 }
