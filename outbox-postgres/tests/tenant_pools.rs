@@ -191,13 +191,7 @@ async fn a_stores_large_statements_run_on_the_bulk_pool() {
         .with_bulk_pool(1)
         .unwrap();
     let bulk = pools.bulk().unwrap().clone();
-    let store = pools
-        .builder(&schema)
-        .schema(schema.clone())
-        .connect()
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
+    let store = migrated_store(&pools, &schema).await;
     let enqueue = |from: usize, n: usize| {
         let store = store.clone();
         async move {
@@ -268,6 +262,18 @@ async fn a_stores_large_statements_run_on_the_bulk_pool() {
     assert_eq!(left, (BULK_ROWS - 10) as i64);
 }
 
+/// A store of `pools` in `schema`, its tables made.
+async fn migrated_store(pools: &PgTenantPools, schema: &str) -> PgStore {
+    let store = pools
+        .builder(schema)
+        .schema(schema)
+        .connect()
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
 fn ids(messages: &[outbox_api::Message]) -> Vec<outbox_api::MessageId> {
     messages.iter().map(|m| m.id).collect()
 }
@@ -279,13 +285,7 @@ fn ids(messages: &[outbox_api::Message]) -> Vec<outbox_api::MessageId> {
 async fn the_backlog_counts_read_their_partial_indexes() {
     let schema = unique_schema("tenant_counts");
     let pools = PgTenantPools::connect(options(), 1, 1).await.unwrap();
-    let store = pools
-        .builder(&schema)
-        .schema(schema.clone())
-        .connect()
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
+    let store = migrated_store(&pools, &schema).await;
     let pool = pools.pools()[0].clone();
     // As the store runs it: prepared, under the connection's generic plans.
     let mut conn = pool.acquire().await.unwrap();
