@@ -58,18 +58,15 @@ pub(crate) struct Inner {
     bulk: Option<PgPool>,
     /// Whether the last claim came back full (as many messages as it
     /// asked for, or [`BULK_ROWS`] or more): the store is draining a
-    /// backlog, and its claims and completions run on the bulk pool.
+    /// backlog, and its claims, completions and backlog counts run on the
+    /// bulk pool.
     draining: AtomicBool,
 }
 
-/// A completion of this many messages or more is large, and so is the
-/// next claim of a store whose last claim returned that many or as many as
-/// it asked for: it is draining a backlog. A store made by
-/// [`PgTenantPools::builder`](crate::PgTenantPools::builder), if the
-/// tenant pools have a bulk pool, runs there its large completions and,
-/// while it drains a backlog, all its claims, completions and backlog
-/// counts (and always its stats and its purge), so that its pinned pool's
-/// other stores do not wait behind them.
+/// A completion of this many messages or more is large, and a store whose
+/// last claim returned that many (or as many as it asked for) is draining
+/// a backlog: what runs on the bulk pool of
+/// [`PgTenantPools::with_bulk_pool`](crate::PgTenantPools::with_bulk_pool).
 pub const BULK_ROWS: usize = 64;
 
 /// How a [`PgStore`] wakes relays and tends its claim floor (from its

@@ -47,14 +47,10 @@ const BULK_STATEMENT_CACHE: usize = 100;
 /// pools of one connection, twice that on pools of two. A store uses its
 /// own pool's connections only: a tenant's long statement holds up the
 /// others of its pool, not the rest — unless the pools have a
-/// [bulk pool](Self::with_bulk_pool): a store's large statements (its
-/// claims, completions and backlog counts while its last claim came back
-/// full, a completion of [`BULK_ROWS`] messages or more, its stats and its
-/// purge) then run there, so that a tenant draining a
-/// backlog does not hold up the quiet tenants pinned with it. Make stores
-/// with [`builder`](Self::builder). Cloning shares the pools.
-///
-/// [`BULK_ROWS`]: crate::BULK_ROWS
+/// [bulk pool](Self::with_bulk_pool), where a store's large statements
+/// run, so that a tenant draining a backlog does not hold up the quiet
+/// tenants pinned with it. Make stores with [`builder`](Self::builder).
+/// Cloning shares the pools.
 #[derive(Clone, Debug)]
 pub struct PgTenantPools {
     pools: Arc<[PgPool]>,
