@@ -82,6 +82,15 @@ pub struct RelayConfig {
     /// alone). See [`crate::metrics::MetricLabels`] for the choices and
     /// [`crate::metrics`] for how many series each makes.
     pub metric_labels: crate::metrics::MetricLabels,
+    /// In a [`Fleet`](crate::Fleet): the slots this outbox takes per turn
+    /// while the fleet's slots are scarce (1). An outbox of weight 3 gets
+    /// three deliveries for every one of an outbox of weight 1 when both
+    /// have backlogs, and a quiet outbox's fresh message waits for one turn
+    /// per other busy outbox, so it waits for their weights added up. A
+    /// weight above the fleet's `concurrency` counts as that. Its limit
+    /// stays [`concurrency`](Self::concurrency). Changed while it runs by
+    /// [`Fleet::set_weight`](crate::Fleet::set_weight).
+    pub fleet_weight: u32,
 }
 
 impl Default for RelayConfig {
@@ -108,6 +117,7 @@ impl Default for RelayConfig {
             name: "outbox".to_owned(),
             metrics_interval: Some(Duration::from_secs(15)),
             metric_labels: crate::metrics::MetricLabels::OutboxAndType,
+            fleet_weight: 1,
         }
     }
 }
@@ -147,6 +157,9 @@ impl RelayConfig {
         }
         if self.concurrency == 0 {
             return Err(Error::config("concurrency", "must be at least 1"));
+        }
+        if self.fleet_weight == 0 {
+            return Err(Error::config("fleet_weight", "must be at least 1"));
         }
         if self.purge_batch == 0 {
             return Err(Error::config("purge_batch", "must be at least 1"));

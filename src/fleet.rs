@@ -35,9 +35,10 @@ pub use discover::{Catalogue, Discovery, DiscoveryReport};
 /// One relay process for many outboxes: each outbox added is relayed by a
 /// relay of its own, with every rule of a single relay, and all of them
 /// take their delivery slots from one budget of the fleet's, handed round
-/// the outboxes that have work one delivery at a time, so that a deep
-/// backlog in one outbox delays a fresh message of another by a few
-/// deliveries at most. Outboxes are added and removed while it runs.
+/// the outboxes that have work a turn at a time (one delivery, or the
+/// outbox's [weight](Self::set_weight)), so that a deep backlog in one
+/// outbox delays a fresh message of another by a few deliveries at most.
+/// Outboxes are added and removed while it runs.
 ///
 /// Cloning gives another handle to the same fleet; when the last is
 /// dropped, its relays stop (see [`RelayHandle`]'s drop).
@@ -193,7 +194,9 @@ impl Fleet {
     /// for the sweep: give a fleet's outboxes a retry policy with delays);
     /// its `metrics_interval` and `purge_interval` to at least the sweep;
     /// and its [`metric_labels`](FleetBuilder::metric_labels) to the
-    /// fleet's.
+    /// fleet's. Its [`fleet_weight`](crate::RelayConfig::fleet_weight) and
+    /// its `concurrency` are the outbox's share and limit of the fleet's
+    /// slots.
     ///
     /// Fails, adding nothing, on a name that is empty, has whitespace or
     /// control characters, or is in the fleet already, and on a relay
@@ -235,12 +238,9 @@ impl Fleet {
     /// [`RelayHandle::shutdown`] does. Its messages stay in its store.
     /// Fails (`NotFound`) if the fleet has no such outbox.
     pub async fn remove(&self, name: &str) -> Result<()> {
-        let handle = lock(&self.inner.members).remove(name).ok_or_else(|| {
-            Error::new(
-                ErrorKind::NotFound,
-                format!("outbox `{name}` is not in this fleet"),
-            )
-        })?;
+        let handle = lock(&self.inner.members)
+            .remove(name)
+            .ok_or_else(|| not_in_fleet(name))?;
         handle.shutdown().await;
         Ok(())
     }
@@ -253,6 +253,29 @@ impl Fleet {
     /// The outboxes' names, in order.
     pub fn outboxes(&self) -> Vec<String> {
         lock(&self.inner.members).keys().cloned().collect()
+    }
+
+    /// Sets the weight of outbox `name` — the slots it takes per turn while
+    /// the fleet's are scarce (see
+    /// [`RelayConfig::fleet_weight`](crate::RelayConfig::fleet_weight),
+    /// which gave it its first) — from its next turn on: a tenant moved to
+    /// a larger plan, one whose backlog should drain first. Fails, changing
+    /// nothing, on a weight of 0 (`InvalidInput`) and if the fleet has no
+    /// such outbox (`NotFound`).
+    pub fn set_weight(&self, name: &str, weight: u32) -> Result<()> {
+        if weight == 0 {
+            return Err(Error::invalid_input(format!(
+                "weight of outbox `{name}`: must be at least 1"
+            )));
+        }
+        let handle = self.get(name).ok_or_else(|| not_in_fleet(name))?;
+        member(&handle).set_weight(weight);
+        Ok(())
+    }
+
+    /// The weight of outbox `name` now, if the fleet has it.
+    pub fn weight(&self, name: &str) -> Option<u32> {
+        self.get(name).map(|h| member(&h).weight())
     }
 
     /// How many outboxes the fleet relays.
@@ -318,4 +341,19 @@ impl Fleet {
         let members = std::mem::take(&mut *lock(&self.inner.members));
         join_all(members.values().map(|h| h.shutdown())).await;
     }
+}
+
+fn not_in_fleet(name: &str) -> Error {
+    Error::new(
+        ErrorKind::NotFound,
+        format!("outbox `{name}` is not in this fleet"),
+    )
+}
+
+/// The fleet's share of a relay it runs.
+fn member(handle: &RelayHandle) -> &crate::relay::Member {
+    handle
+        .relay()
+        .fleet_member()
+        .expect("a fleet's relays take their slots from it")
 }

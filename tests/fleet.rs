@@ -117,6 +117,74 @@ async fn a_deep_backlog_delays_a_fresh_message_of_another_outbox_by_a_few_delive
     fleet.shutdown().await;
 }
 
+/// Deliveries each of two busy outboxes starts while the fleet starts
+/// `total` more, from now.
+async fn shares(counts: [&Arc<AtomicUsize>; 2], total: usize) -> [usize; 2] {
+    let before = counts.map(|c| c.load(Ordering::SeqCst));
+    let started = || {
+        let now = counts.map(|c| c.load(Ordering::SeqCst));
+        [now[0] - before[0], now[1] - before[1]]
+    };
+    wait_until("the fleet delivers", DEADLINE, || {
+        let [a, b] = started();
+        async move { a + b >= total }
+    })
+    .await;
+    started()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heavier_outbox_gets_its_weight_in_slots_and_a_new_weight_holds_from_its_next_turn() {
+    let fleet = fleet(4, "weights");
+    let (heavy, light) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let busy = |t: &'static str, count: &Arc<AtomicUsize>| {
+        Relay::builder(store_with(t, 20_000))
+            .dispatcher(counting(t, count, Duration::from_millis(2)))
+            .concurrency(64)
+            .batch_size(200)
+    };
+    fleet
+        .add("heavy", busy("Heavy", &heavy).fleet_weight(3))
+        .unwrap();
+    fleet.add("light", busy("Light", &light)).unwrap();
+    assert_eq!(
+        (fleet.weight("heavy"), fleet.weight("light")),
+        (Some(3), Some(1))
+    );
+    // Past the start, where the first to claim takes every free slot.
+    shares([&heavy, &light], 100).await;
+    let [h, l] = shares([&heavy, &light], 800).await;
+    eprintln!("weights 3 and 1: {h} and {l} deliveries");
+    assert!(
+        (2 * l..=5 * l).contains(&h),
+        "with weights 3 and 1 the heavy outbox should start about three deliveries for each of the light one's; it started {h} against {l}"
+    );
+    fleet.set_weight("heavy", 1).unwrap();
+    assert_eq!(fleet.weight("heavy"), Some(1));
+    shares([&heavy, &light], 100).await;
+    let [h, l] = shares([&heavy, &light], 800).await;
+    eprintln!("weights 1 and 1: {h} and {l} deliveries");
+    assert!(
+        (l / 2..=l * 3 / 2).contains(&h),
+        "with equal weights both outboxes should start about as many deliveries; they started {h} and {l}"
+    );
+    assert!(
+        heavy.load(Ordering::SeqCst) < 20_000 && light.load(Ordering::SeqCst) < 20_000,
+        "a backlog ran out before the test ended"
+    );
+    let e = fleet.set_weight("heavy", 0).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    assert!(e.to_string().contains("heavy"), "{e}");
+    let e = fleet.set_weight("nobody", 2).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert_eq!(
+        fleet.weight("heavy"),
+        Some(1),
+        "a refused weight changes nothing"
+    );
+    fleet.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_outbox_whose_handler_is_down_holds_back_only_its_own_messages() {
     let fleet = fleet(2, "down");
@@ -392,6 +460,11 @@ fn a_fleet_refuses_a_bad_configuration() {
         .build()
         .unwrap_err();
     assert!(e.to_string().contains("sweep_interval"), "{e}");
+    let e = Relay::builder(MemoryStore::new())
+        .fleet_weight(0)
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("fleet_weight"), "{e}");
 }
 
 /// The database files under `dir` this process has open now (by its file

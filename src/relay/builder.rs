@@ -7,11 +7,11 @@ use std::time::Duration;
 use outbox_api::{Clock, Dispatcher, Error, Result, Store, SystemClock, Transport};
 use tokio::sync::Notify;
 
-use super::Budget;
 use super::gate::Gate;
 use super::lifecycle::Lifecycle;
 use super::meter::Meter;
 use super::unavailable::HandlerUnavailability;
+use super::{Budget, Member};
 use super::{Counters, Inner, Relay, RelayHandle};
 use crate::Fleet;
 use crate::config::RelayConfig;
@@ -123,6 +123,8 @@ impl RelayBuilder {
         handler_timeout: Duration);
     setter!(/// See [`RelayConfig::concurrency`].
         concurrency: usize);
+    setter!(/// See [`RelayConfig::fleet_weight`].
+        fleet_weight: u32);
     setter!(/// See [`RelayConfig::retry_policy`].
         retry_policy: outbox_api::RetryPolicy);
     setter!(/// See [`RelayConfig::retention`].
@@ -173,6 +175,7 @@ impl RelayBuilder {
             self.config.unavailable_initial,
             self.config.unavailable_max,
         );
+        let fleet = (self.budget).map(|b| Member::new(b, self.config.fleet_weight));
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
@@ -187,7 +190,7 @@ impl RelayBuilder {
                 unavailable,
                 counters: Counters::default(),
                 meter,
-                budget: self.budget,
+                fleet,
                 due: Mutex::new(None),
             }),
         })

@@ -40,7 +40,7 @@ use tokio::sync::Notify;
 
 use crate::config::RelayConfig;
 
-pub(crate) use budget::Budget;
+pub(crate) use budget::{Budget, Member};
 pub use builder::RelayBuilder;
 pub use handle::RelayHandle;
 
@@ -128,8 +128,8 @@ struct Inner {
     counters: Counters,
     meter: meter::Meter,
     /// In a fleet: the slots shared with the other members, taken on top
-    /// of this relay's own `concurrency`.
-    budget: Option<Arc<Budget>>,
+    /// of this relay's own `concurrency`, and its weight.
+    fleet: Option<Member>,
     /// The earliest time a message this relay put off (a counted
     /// failure's retry, a deferral) comes due: the relay claims again
     /// then, not only at its next poll.
@@ -166,6 +166,11 @@ impl Relay {
     /// Like [`builder`](Self::builder), for a shared store.
     pub fn builder_shared(store: Arc<dyn Store>) -> RelayBuilder {
         RelayBuilder::new(store)
+    }
+
+    /// Its place in a fleet, if it takes its slots from one.
+    pub(crate) fn fleet_member(&self) -> Option<&Member> {
+        self.inner.fleet.as_ref()
     }
 
     /// The configuration in force.

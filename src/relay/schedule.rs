@@ -69,9 +69,9 @@ pub(super) struct Scheduler<'a> {
     deliveries: FuturesUnordered<Delivery>,
     /// Messages in flight (a send of n messages holds n slots).
     slots_used: usize,
-    /// In a fleet: this relay's place in the queue for the fleet's next
-    /// free slot (one place at most, so the fleet's slots go round its
-    /// members), and a slot it was handed and has not used yet.
+    /// In a fleet: this relay's place in the queue for its next turn of
+    /// the fleet's slots (one place at most, so the fleet's slots go round
+    /// its members), and what it was handed of a turn and has not used yet.
     slot_wait: Option<SlotWait>,
     granted: Option<Slot>,
     /// Outcomes not yet handed to a store round.
@@ -374,7 +374,7 @@ impl<'a> Scheduler<'a> {
                 self.pending.untouched.push(entry.message.id);
                 continue;
             }
-            let Some(slot) = self.fleet_slot() else {
+            let Some(slot) = self.fleet_slot(self.ready.len() - i) else {
                 // The fleet has no slot free: this relay waits its turn.
                 break;
             };
@@ -396,23 +396,31 @@ impl<'a> Scheduler<'a> {
         if !group.is_empty() {
             self.start_send(group, group_slots);
         }
+        // What is left of a turn (its messages' keys are busy) goes back to
+        // the fleet's other members.
+        self.granted = None;
     }
 
-    /// A slot of the fleet's for one more delivery: `Some(None)` outside a
-    /// fleet; `None` when the fleet has none free now, and then this relay
-    /// takes (or keeps) its place in the queue for the next.
-    fn fleet_slot(&mut self) -> Option<Option<Slot>> {
-        let Some(budget) = &self.relay.inner.budget else {
+    /// A slot of the fleet's for one more delivery, of the `wanted` this
+    /// relay could start now: `Some(None)` outside a fleet; `None` when the
+    /// fleet has none free now, and then this relay takes (or keeps) its
+    /// place in the queue for its next turn, of up to its weight in slots.
+    fn fleet_slot(&mut self, wanted: usize) -> Option<Option<Slot>> {
+        let Some(member) = &self.relay.inner.fleet else {
             return Some(None);
         };
-        if let Some(slot) = self.granted.take() {
-            return Some(Some(slot));
+        if let Some(turn) = &mut self.granted {
+            if turn.num_permits() > 1 {
+                return Some(turn.split(1));
+            }
+            return Some(self.granted.take());
         }
         if self.slot_wait.is_none() {
-            if let Some(slot) = budget.try_take() {
+            if let Some(slot) = member.budget().try_take() {
                 return Some(Some(slot));
             }
-            self.slot_wait = Some(Box::pin(budget.wait()));
+            let turn = member.turn().min(wanted);
+            self.slot_wait = Some(Box::pin(member.budget().wait(turn)));
         }
         None
     }
