@@ -175,7 +175,9 @@ impl RelayBuilder {
             self.config.unavailable_initial,
             self.config.unavailable_max,
         );
-        let fleet = (self.budget).map(|b| Member::new(b, self.config.fleet_weight));
+        let fleet = self
+            .budget
+            .map(|b| Member::new(b, self.config.fleet_weight));
         Ok(Relay {
             inner: Arc::new(Inner {
                 store: self.store,
