@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use outbox::memory::{MemoryStore, MemoryTransport, MemoryTransportHandle};
 use outbox::{
-    ClaimRequest, Clock, Dispatcher, Handlers, ListQuery, ManualClock, Message, MessageId,
+    ClaimRequest, Clock, Dispatcher, Fleet, Handlers, ListQuery, ManualClock, Message, MessageId,
     MessageKind, MessageState, NewMessage, Relay, Timestamp, Transport,
 };
 use outbox_api::testing::StoreUnderTest;
@@ -113,6 +113,8 @@ struct World {
     relay: Relay,
     generation: u32,
     batch_size: usize,
+    /// A fleet the relay takes its slots from, and its weight there.
+    fleet: Option<(Fleet, u32)>,
     // The model.
     committed: Vec<(MessageId, Spec)>,
     poisoned: HashSet<MessageId>,
@@ -198,7 +200,12 @@ fn record(receiver: &MemoryStore, sink: &mut Sink, id: MessageId) {
 impl World {
     fn new_relay(&mut self) -> Relay {
         self.generation += 1;
-        Relay::builder_shared(self.fixture.store())
+        let builder = Relay::builder_shared(self.fixture.store());
+        let builder = match &self.fleet {
+            Some((fleet, weight)) => builder.fleet(fleet).fleet_weight(*weight),
+            None => builder,
+        };
+        builder
             .clock(self.clock.clone())
             .dispatcher_shared(self.dispatcher.clone())
             .transport(self.transport.clone())
@@ -446,6 +453,27 @@ pub async fn run_case(
     batch_size: usize,
     ops: Vec<Op>,
 ) {
+    run_case_in(fixture, clock, batch_size, ops, None).await
+}
+
+/// [`run_case`], the relay taking its delivery slots from a fleet of
+/// `fleet.0` slots with weight `fleet.1` when given: slots scarcer than
+/// the relay's own limit, handed over in turns.
+pub async fn run_case_in(
+    fixture: Box<dyn StoreUnderTest>,
+    clock: Arc<ManualClock>,
+    batch_size: usize,
+    ops: Vec<Op>,
+    fleet: Option<(usize, u32)>,
+) {
+    let fleet = fleet.map(|(slots, weight)| {
+        let fleet = Fleet::builder()
+            .concurrency(slots)
+            .worker_id("model-fleet")
+            .build()
+            .expect("valid fleet");
+        (fleet, weight)
+    });
     let (transport, transport_handle) = MemoryTransport::new();
     transport_handle.reject_type("Refused");
     let sink = Arc::new(Mutex::new(Sink::default()));
@@ -464,6 +492,7 @@ pub async fn run_case(
         relay,
         generation: 0,
         batch_size,
+        fleet,
         committed: Vec::new(),
         poisoned: HashSet::new(),
     };
