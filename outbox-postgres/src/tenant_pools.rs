@@ -87,10 +87,10 @@ impl PgTenantPools {
     /// backlog counts while its last claim came back full (it is draining
     /// a backlog), a completion of [`BULK_ROWS`](crate::BULK_ROWS)
     /// messages or more, and the statements whose cost grows with the
-    /// completed messages kept (the stats' count of them, the purge). Tenants draining backlogs take turns
-    /// on it, so give it as many connections as tenants that may drain at
-    /// once at full speed; a store's small statements stay on its pinned
-    /// pool. Zero connections is a configuration error naming it.
+    /// completed messages kept (the stats' count of them, the purge).
+    /// Tenants draining backlogs take turns on it, so give it as many
+    /// connections as tenants that may drain at once at full speed; a
+    /// store's small statements stay on its pinned pool. Zero connections is a configuration error naming it.
     pub fn with_bulk_pool(self, connections: u32) -> Result<Self> {
         if connections == 0 {
             return Err(Error::config(

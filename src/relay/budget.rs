@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -71,14 +71,14 @@ impl Budget {
 #[derive(Debug)]
 pub(crate) struct Member {
     budget: Arc<Budget>,
-    weight: AtomicUsize,
+    weight: AtomicU32,
 }
 
 impl Member {
     pub(crate) fn new(budget: Arc<Budget>, weight: u32) -> Self {
         Member {
             budget,
-            weight: AtomicUsize::new(weight as usize),
+            weight: AtomicU32::new(weight),
         }
     }
 
@@ -88,19 +88,17 @@ impl Member {
 
     /// Slots per turn: the weight, never more than the fleet has.
     pub(crate) fn turn(&self) -> usize {
-        self.weight
-            .load(Ordering::Relaxed)
-            .clamp(1, self.budget.total())
+        (self.weight() as usize).clamp(1, self.budget.total())
     }
 
     /// The weight as set (it may exceed the fleet's slots).
     pub(crate) fn weight(&self) -> u32 {
-        self.weight.load(Ordering::Relaxed) as u32
+        self.weight.load(Ordering::Relaxed)
     }
 
     /// Sets the weight; the next turn asked for takes it.
     pub(crate) fn set_weight(&self, weight: u32) {
-        self.weight.store(weight as usize, Ordering::Relaxed);
+        self.weight.store(weight, Ordering::Relaxed);
     }
 }
 
