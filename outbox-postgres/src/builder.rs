@@ -12,6 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::error::{connecting, password_of};
 use crate::floor::DEFAULT_FLOOR_STEP;
 use crate::listener::WakeUp;
+use crate::queue::StatementQueue;
 use crate::schema::{self, Names};
 use crate::shared_listener::PgSharedListener;
 use crate::store::PgStore;
@@ -56,6 +57,9 @@ pub struct PgStoreBuilder {
     keep_processed: bool,
     /// The pool of the store's large statements (`PgTenantPools::builder`).
     pub(crate) bulk: Option<PgPool>,
+    /// The queue of the claims and completions of the stores pinned to the
+    /// same pool (`PgTenantPools::builder`).
+    pub(crate) queue: Option<Arc<StatementQueue>>,
 }
 
 impl std::fmt::Debug for PgStoreBuilder {
@@ -301,6 +305,7 @@ impl PgStoreBuilder {
                 durable_bookkeeping: self.durable_bookkeeping,
                 keep_processed: self.keep_processed,
                 bulk: self.bulk,
+                queue: self.queue,
             },
         ))
     }
@@ -344,6 +349,7 @@ impl PgStore {
             durable_bookkeeping: false,
             keep_processed: true,
             bulk: None,
+            queue: None,
         }
     }
 }

@@ -14,6 +14,7 @@ mod migrate;
 mod operator;
 mod outbox;
 mod own_lock;
+mod queue;
 mod row;
 mod schema;
 mod shared_listener;

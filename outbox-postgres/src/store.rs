@@ -17,6 +17,7 @@ use crate::error::{from_sqlx, storable};
 use crate::floor::ClaimFloor;
 use crate::listener::{PgWorkListener, WakeUp};
 use crate::outbox::PgOutbox;
+use crate::queue::StatementQueue;
 use crate::row::decode;
 use crate::schema::{Names, Sql};
 use crate::shared_listener::PgSharedListener;
@@ -56,6 +57,10 @@ pub(crate) struct Inner {
     /// The pool of this store's large statements, if any
     /// ([`PgTenantPools::with_bulk_pool`](crate::PgTenantPools::with_bulk_pool)).
     bulk: Option<PgPool>,
+    /// The queue that runs this store's claims and completions on its own
+    /// pool (not those on the bulk pool) back to back with those of the
+    /// other stores pinned to that pool (`PgTenantPools`; src/queue.rs).
+    queue: Option<Arc<StatementQueue>>,
     /// Whether the last claim came back full (as many messages as it
     /// asked for, or [`BULK_ROWS`] or more): the store is draining a
     /// backlog, and its claims, completions and backlog counts run on the
@@ -89,6 +94,8 @@ pub(crate) struct Tuning {
     pub keep_processed: bool,
     /// The pool of the store's large statements, if any.
     pub bulk: Option<PgPool>,
+    /// The queue of the claims and completions on `pool`, if any.
+    pub queue: Option<Arc<StatementQueue>>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -120,6 +127,7 @@ impl PgStore {
             durable_bookkeeping,
             keep_processed,
             bulk,
+            queue,
         } = tuning;
         let options = pool.connect_options();
         let identity = format!(
@@ -163,6 +171,7 @@ impl PgStore {
                 poll,
                 floor: ClaimFloor::new(floor_step),
                 bulk,
+                queue,
                 draining: AtomicBool::new(false),
             }),
         }
@@ -287,9 +296,22 @@ impl PgStore {
     /// they are [`BULK_ROWS`] or more; else the store's.
     fn pool_for(&self, rows: usize) -> &PgPool {
         match &self.inner.bulk {
-            Some(bulk) if rows >= BULK_ROWS || self.inner.draining.load(Ordering::Relaxed) => bulk,
+            Some(bulk) if self.is_bulk(rows) => bulk,
             _ => &self.inner.pool,
         }
+    }
+
+    /// Whether a claim or completion over `rows` messages is large (see
+    /// [`pool_for`](Self::pool_for)).
+    fn is_bulk(&self, rows: usize) -> bool {
+        rows >= BULK_ROWS || self.inner.draining.load(Ordering::Relaxed)
+    }
+
+    /// The queue of a claim or completion over `rows` messages, when it
+    /// runs on this store's own pool and that pool has one.
+    fn queue_for(&self, rows: usize) -> Option<&Arc<StatementQueue>> {
+        let on_bulk = self.inner.bulk.is_some() && self.is_bulk(rows);
+        self.inner.queue.as_ref().filter(|_| !on_bulk)
     }
 
     /// The pool of the next claim, and of the backlog's counts (a
@@ -457,21 +479,34 @@ impl Store for PgStore {
             return Ok(Vec::new());
         }
         let what = "claiming messages";
-        let claimed = if self.inner.claims_in_session {
-            // One round trip. A corrupt row's poisoning, if any, follows
-            // as statements of their own: the row stays leased meanwhile.
-            let mut conn = self
-                .claim_pool()
-                .acquire()
-                .await
-                .map_err(|e| self.fail(e, what))?;
-            self.claim_in(&mut conn, request)
-                .await
-                .map_err(|e| self.fail(e, what))?
-        } else {
-            let mut tx = self.begin_claim(what).await?;
-            let result = self.claim_in(&mut tx, request).await;
-            self.finish(tx, result, what).await?
+        // One round trip when the connections have the claim's settings
+        // (and then queued with the claims of the stores pinned to the same
+        // pool, if it has a queue). A corrupt row's poisoning, if any,
+        // follows as statements of their own: the row stays leased
+        // meanwhile.
+        let claimed = match (self.queue_for(0), self.inner.claims_in_session) {
+            (Some(queue), true) => {
+                let (store, request) = (self.clone(), request.clone());
+                queue
+                    .run(move |conn| Box::pin(async move { store.claim_in(conn, &request).await }))
+                    .await
+                    .map_err(|e| self.fail(e, what))?
+            }
+            (None, true) => {
+                let mut conn = self
+                    .claim_pool()
+                    .acquire()
+                    .await
+                    .map_err(|e| self.fail(e, what))?;
+                self.claim_in(&mut conn, request)
+                    .await
+                    .map_err(|e| self.fail(e, what))?
+            }
+            (_, false) => {
+                let mut tx = self.begin_claim(what).await?;
+                let result = self.claim_in(&mut tx, request).await;
+                self.finish(tx, result, what).await?
+            }
         };
         let full = claimed.len() >= request.limit.min(BULK_ROWS);
         self.inner.draining.store(full, Ordering::Relaxed);
@@ -484,14 +519,27 @@ impl Store for PgStore {
             return Ok(());
         }
         let what = "completing messages";
-        let pool = self.pool_for(ids.len());
+        let rows = ids.len();
         let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
-        sqlx::query(AssertSqlSafe(self.inner.sql.complete.as_str()))
-            .bind(now.as_millis())
-            .bind(ids)
-            .execute(pool)
-            .await
-            .map_err(|e| self.fail(e, what))?;
+        let sql = Arc::clone(&self.inner.sql);
+        match self.queue_for(rows) {
+            Some(queue) => {
+                queue
+                    .run(move |conn| {
+                        Box::pin(async move { complete_in(conn, &sql, now, ids).await })
+                    })
+                    .await
+            }
+            None => {
+                let mut conn = self
+                    .pool_for(rows)
+                    .acquire()
+                    .await
+                    .map_err(|e| self.fail(e, what))?;
+                complete_in(&mut conn, &sql, now, ids).await
+            }
+        }
+        .map_err(|e| self.fail(e, what))?;
         Ok(())
     }
 
@@ -622,4 +670,19 @@ impl Store for PgStore {
             self.inner.poll,
         ))
     }
+}
+
+/// The completion of `ids` at `now` (one statement) on `conn`.
+async fn complete_in(
+    conn: &mut PgConnection,
+    sql: &Sql,
+    now: Timestamp,
+    ids: Vec<uuid::Uuid>,
+) -> std::result::Result<(), sqlx::Error> {
+    sqlx::query(AssertSqlSafe(sql.complete.as_str()))
+        .bind(now.as_millis())
+        .bind(ids)
+        .execute(conn)
+        .await
+        .map(|_| ())
 }

@@ -10,6 +10,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::builder::PgStoreBuilder;
 use crate::error::from_sqlx;
+use crate::queue::StatementQueue;
 use crate::schema::fnv1a;
 use crate::store::PgStore;
 
@@ -54,6 +55,8 @@ const BULK_STATEMENT_CACHE: usize = 100;
 #[derive(Clone, Debug)]
 pub struct PgTenantPools {
     pools: Arc<[PgPool]>,
+    /// The queue of each pool's claims and completions.
+    queues: Arc<[Arc<StatementQueue>]>,
     bulk: Option<PgPool>,
 }
 
@@ -75,10 +78,15 @@ impl PgTenantPools {
         let options = crate::claim_sql::with_claim_settings(
             options.statement_cache_capacity(TENANT_STATEMENT_CACHE),
         );
-        let pools = (0..pools)
+        let pools: Arc<[PgPool]> = (0..pools)
             .map(|_| tenant_pool(connections, options.clone()))
             .collect();
-        Ok(PgTenantPools { pools, bulk: None })
+        let queues = pools.iter().cloned().map(StatementQueue::new).collect();
+        Ok(PgTenantPools {
+            pools,
+            queues,
+            bulk: None,
+        })
     }
 
     /// These pools and a bulk pool of `connections`, with the same options
@@ -130,10 +138,13 @@ impl PgTenantPools {
     /// The pool of the store named `name` (its schema, say): always the same
     /// one for a name, the names spread evenly over the pools.
     pub fn for_name(&self, name: &str) -> &PgPool {
-        // Stable across processes and releases, unlike the standard
-        // library's hasher.
-        let hash = fnv1a(name);
-        &self.pools[(hash % self.pools.len() as u64) as usize]
+        &self.pools[self.index_of(name)]
+    }
+
+    /// The index of the pool of `name`. Stable across processes and
+    /// releases, unlike the standard library's hasher.
+    fn index_of(&self, name: &str) -> usize {
+        (fnv1a(name) % self.pools.len() as u64) as usize
     }
 
     /// Every pinned pool, in order.
@@ -150,8 +161,10 @@ impl PgTenantPools {
     /// builder does not set): on the pool [`for_name`](Self::for_name)
     /// gives, its large statements on the bulk pool if there is one.
     pub fn builder(&self, name: &str) -> PgStoreBuilder {
-        let mut builder = PgStore::builder_with_pool(self.for_name(name).clone());
+        let i = self.index_of(name);
+        let mut builder = PgStore::builder_with_pool(self.pools[i].clone());
         builder.bulk = self.bulk.clone();
+        builder.queue = Some(Arc::clone(&self.queues[i]));
         builder
     }
 }
