@@ -314,6 +314,41 @@ async fn idle_figures(
     out
 }
 
+/// With `OUTBOX_BENCH_TENANTS_PROFILE=FILE`, where the window's quiet
+/// messages waited, in quarters of a second by commit time: for each, the
+/// messages committed, and the median and largest wait from commit to
+/// claim asked for, and from claim asked for to handler (µs since the
+/// bench began, `stages` in sequence order: commit, claim, handled).
+fn write_profile(path: &str, from: u64, stages: impl Iterator<Item = (u64, u64, u64)>) {
+    use std::collections::BTreeMap;
+    use std::fmt::Write;
+    let mut quarters: BTreeMap<u64, (Vec<u64>, Vec<u64>)> = BTreeMap::new();
+    for (committed, claimed, handled) in stages.filter(|s| s.0 >= from) {
+        let q = quarters.entry((committed - from) / 250_000).or_default();
+        q.0.push(claimed.saturating_sub(committed));
+        q.1.push(handled.saturating_sub(claimed.max(committed)));
+    }
+    let ms = |us: u64| us as f64 / 1000.0;
+    let mut out = String::from(
+        "from (s)\tmessages\tcommit → claim p50 / max (ms)\tclaim → handled p50 / max (ms)\n",
+    );
+    for (q, (mut to_claim, mut to_handler)) in quarters {
+        to_claim.sort_unstable();
+        to_handler.sort_unstable();
+        let _ = writeln!(
+            out,
+            "{:.2}\t{}\t{:.1} / {:.1}\t{:.1} / {:.1}",
+            q as f64 / 4.0,
+            to_claim.len(),
+            ms(to_claim[to_claim.len() / 2]),
+            ms(to_claim[to_claim.len() - 1]),
+            ms(to_handler[to_handler.len() / 2]),
+            ms(to_handler[to_handler.len() - 1]),
+        );
+    }
+    std::fs::write(path, out).expect("write the profile");
+}
+
 /// `backlog` messages put in `store`, drained by a relay of its own (worker
 /// `tenants-<name>`): its rate.
 async fn drain_alone(pool: &PgPool, store: &PgStore, backlog: usize, name: &str) -> f64 {
@@ -361,7 +396,11 @@ async fn busy_figures(
     let sent = if quick { 4_000 } else { 200_000 };
     let committed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let handled: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
+    // When the claim that took each was asked for (ms since `t0`, from its
+    // lease): for the profile.
+    let claimed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let t0 = Instant::now();
+    let wall_t0 = outbox::Timestamp::now();
     // When the writers stop (µs since `t0`): set once the window begins.
     let stop_at = Arc::new(AtomicU64::new(u64::MAX));
     // Open loop: the quiet tenants in turn, each once a second.
@@ -409,10 +448,15 @@ async fn busy_figures(
         if i == 0 {
             counting_handlers(hot_done.clone())
         } else {
-            let handled = handled.clone();
+            let (handled, claimed) = (handled.clone(), claimed.clone());
+            let lease = outbox::RelayConfig::default().lease;
             Handlers::new().on_message("Quiet", move |m: &Message| {
                 let seq = u64::from_le_bytes(m.payload[..8].try_into().unwrap()) as usize;
                 handled[seq].store(micros(t0), Ordering::Relaxed);
+                if let Some(until) = m.locked_until {
+                    let asked = until.saturating_sub(lease).since(wall_t0);
+                    claimed[seq].store(asked.as_millis() as u64, Ordering::Relaxed);
+                }
                 async { Ok::<_, std::io::Error>(()) }
             })
         }
@@ -433,6 +477,13 @@ async fn busy_figures(
     }
     let produced = next.load(Ordering::Relaxed).min(sent);
     fleet.until_idle().await.unwrap();
+    if let Ok(path) = std::env::var("OUTBOX_BENCH_TENANTS_PROFILE") {
+        let stages = |seq: usize| {
+            let load = |v: &[AtomicU64]| v[seq].load(Ordering::Relaxed);
+            (load(&committed), load(&claimed) * 1000, load(&handled))
+        };
+        write_profile(&path, warm_until, (0..produced).map(stages));
+    }
     // Split by commit time: the warm-up, and the window.
     let (mut warming, mut measured) = (histogram(), histogram());
     // The window's latencies of the quiet tenants pinned with the hot one,
