@@ -22,6 +22,8 @@ use crate::row::decode;
 use crate::schema::{Names, Sql};
 use crate::shared_listener::PgSharedListener;
 
+mod route;
+
 /// An outbox table (and its inbox) in PostgreSQL: the relay's [`Store`] and
 /// the operators' [`OperatorStore`](outbox_api::OperatorStore).
 ///
@@ -290,44 +292,6 @@ impl PgStore {
         &self.inner.sql.begin_claim
     }
 
-    /// The pool of a claim or completion over `rows` messages: the bulk
-    /// pool, when there is one, while this store drains a backlog (its
-    /// last claim came back full, so the next is likely as large) or when
-    /// they are [`BULK_ROWS`] or more; else the store's.
-    fn pool_for(&self, rows: usize) -> &PgPool {
-        match &self.inner.bulk {
-            Some(bulk) if self.is_bulk(rows) => bulk,
-            _ => &self.inner.pool,
-        }
-    }
-
-    /// Whether a claim or completion over `rows` messages is large (see
-    /// [`pool_for`](Self::pool_for)).
-    fn is_bulk(&self, rows: usize) -> bool {
-        rows >= BULK_ROWS || self.inner.draining.load(Ordering::Relaxed)
-    }
-
-    /// The queue of a claim or completion over `rows` messages, when it
-    /// runs on this store's own pool and that pool has one.
-    fn queue_for(&self, rows: usize) -> Option<&Arc<StatementQueue>> {
-        let on_bulk = self.inner.bulk.is_some() && self.is_bulk(rows);
-        self.inner.queue.as_ref().filter(|_| !on_bulk)
-    }
-
-    /// The pool of the next claim, and of the backlog's counts (a
-    /// draining store's pending messages are many).
-    fn claim_pool(&self) -> &PgPool {
-        self.pool_for(0)
-    }
-
-    /// The pool of statements whose cost grows with the completed
-    /// messages kept (the stats' count of them, the purge): the bulk pool
-    /// when there is one, so that they hold up none of the stores pinned
-    /// with this one.
-    fn scan_pool(&self) -> &PgPool {
-        self.inner.bulk.as_ref().unwrap_or(&self.inner.pool)
-    }
-
     /// A transaction with the claim's settings (one round trip).
     async fn begin_claim(&self, what: &str) -> Result<Transaction<'static, Postgres>> {
         self.claim_pool()
@@ -478,36 +442,7 @@ impl Store for PgStore {
         if request.limit == 0 {
             return Ok(Vec::new());
         }
-        let what = "claiming messages";
-        // One round trip when the connections have the claim's settings
-        // (and then queued with the claims of the stores pinned to the same
-        // pool, if it has a queue). A corrupt row's poisoning, if any,
-        // follows as statements of their own: the row stays leased
-        // meanwhile.
-        let claimed = match (self.queue_for(0), self.inner.claims_in_session) {
-            (Some(queue), true) => {
-                let (store, request) = (self.clone(), request.clone());
-                queue
-                    .run(move |conn| Box::pin(async move { store.claim_in(conn, &request).await }))
-                    .await
-                    .map_err(|e| self.fail(e, what))?
-            }
-            (None, true) => {
-                let mut conn = self
-                    .claim_pool()
-                    .acquire()
-                    .await
-                    .map_err(|e| self.fail(e, what))?;
-                self.claim_in(&mut conn, request)
-                    .await
-                    .map_err(|e| self.fail(e, what))?
-            }
-            (_, false) => {
-                let mut tx = self.begin_claim(what).await?;
-                let result = self.claim_in(&mut tx, request).await;
-                self.finish(tx, result, what).await?
-            }
-        };
+        let claimed = self.run_claim(request).await?;
         let full = claimed.len() >= request.limit.min(BULK_ROWS);
         self.inner.draining.store(full, Ordering::Relaxed);
         self.tend_floor();
@@ -518,29 +453,7 @@ impl Store for PgStore {
         if ids.is_empty() {
             return Ok(());
         }
-        let what = "completing messages";
-        let rows = ids.len();
-        let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
-        let sql = Arc::clone(&self.inner.sql);
-        match self.queue_for(rows) {
-            Some(queue) => {
-                queue
-                    .run(move |conn| {
-                        Box::pin(async move { complete_in(conn, &sql, now, ids).await })
-                    })
-                    .await
-            }
-            None => {
-                let mut conn = self
-                    .pool_for(rows)
-                    .acquire()
-                    .await
-                    .map_err(|e| self.fail(e, what))?;
-                complete_in(&mut conn, &sql, now, ids).await
-            }
-        }
-        .map_err(|e| self.fail(e, what))?;
-        Ok(())
+        self.run_complete(ids, now).await
     }
 
     // `complete_and_claim` is the trait's default: the completion on its
@@ -670,19 +583,4 @@ impl Store for PgStore {
             self.inner.poll,
         ))
     }
-}
-
-/// The completion of `ids` at `now` (one statement) on `conn`.
-async fn complete_in(
-    conn: &mut PgConnection,
-    sql: &Sql,
-    now: Timestamp,
-    ids: Vec<uuid::Uuid>,
-) -> std::result::Result<(), sqlx::Error> {
-    sqlx::query(AssertSqlSafe(sql.complete.as_str()))
-        .bind(now.as_millis())
-        .bind(ids)
-        .execute(conn)
-        .await
-        .map(|_| ())
 }
