@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use sqlx::{PgConnection, PgPool};
 use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
 
 /// A boxed future, sent between threads, borrowing for `'a`.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -51,8 +52,10 @@ pub(crate) struct StatementQueue {
 #[derive(Default)]
 struct State {
     jobs: VecDeque<Job>,
-    /// Whether a task is running the jobs.
-    running: bool,
+    /// The task running the jobs, if one was started and has not said it
+    /// is done. One that ended otherwise (its runtime shut down) is
+    /// finished, and the next job starts another.
+    driver: Option<JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for StatementQueue {
@@ -97,13 +100,12 @@ impl StatementQueue {
                 let _ = reply.send(result);
             })
         });
-        let start = {
+        {
             let mut state = self.state();
             state.jobs.push_back(job);
-            !std::mem::replace(&mut state.running, true)
-        };
-        if start {
-            tokio::spawn(Arc::clone(self).drive());
+            if state.driver.as_ref().is_none_or(JoinHandle::is_finished) {
+                state.driver = Some(tokio::spawn(Arc::clone(self).drive()));
+            }
         }
         answer.await.unwrap_or_else(|_| {
             Err(sqlx::Error::Io(std::io::Error::other(
@@ -115,7 +117,7 @@ impl StatementQueue {
     /// Runs the queued jobs until none is left, [`RUN`] at a time on one
     /// acquisition of the connection.
     async fn drive(self: Arc<Self>) {
-        let _running = Running(Arc::clone(&self));
+        let _panicking = Panicking(Arc::clone(&self));
         loop {
             let mut conn = match self.pool.acquire().await {
                 Ok(conn) => Some(conn),
@@ -138,26 +140,29 @@ impl StatementQueue {
                 }
             }
             drop(conn);
-            if self.state().jobs.is_empty() {
+            // Under the lock: a job queued after this look starts a task.
+            let mut state = self.state();
+            if state.jobs.is_empty() {
+                state.driver = None;
                 return;
             }
         }
     }
 }
 
-/// Ends a task running the jobs: under the lock, so that no job queued
-/// meanwhile is left without a task. A job queued after the last look (or
-/// left by a job that panicked) gets a task of its own.
-struct Running(Arc<StatementQueue>);
+/// Starts another task for the jobs left when a job panics (its caller
+/// is told the task ended).
+struct Panicking(Arc<StatementQueue>);
 
-impl Drop for Running {
+impl Drop for Panicking {
     fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
         let mut state = self.0.state();
-        if state.jobs.is_empty() {
-            state.running = false;
-        } else {
-            drop(state);
-            tokio::spawn(Arc::clone(&self.0).drive());
+        if let (false, Ok(runtime)) = (state.jobs.is_empty(), tokio::runtime::Handle::try_current())
+        {
+            state.driver = Some(runtime.spawn(Arc::clone(&self.0).drive()));
         }
     }
 }
