@@ -98,7 +98,8 @@ impl PgTenantPools {
     /// completed messages kept (the stats' count of them, the purge).
     /// Tenants draining backlogs take turns on it, so give it as many
     /// connections as tenants that may drain at once at full speed; a
-    /// store's small statements stay on its pinned pool. Zero connections is a configuration error naming it.
+    /// store's small statements stay on its pinned pool. Zero connections
+    /// is a configuration error naming it.
     pub fn with_bulk_pool(self, connections: u32) -> Result<Self> {
         if connections == 0 {
             return Err(Error::config(

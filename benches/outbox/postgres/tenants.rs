@@ -315,10 +315,11 @@ async fn idle_figures(
 }
 
 /// With `OUTBOX_BENCH_TENANTS_PROFILE=FILE`, where the window's quiet
-/// messages waited, in quarters of a second by commit time: for each, the
-/// messages committed, and the median and largest wait from commit to
-/// claim asked for, and from claim asked for to handler (µs since the
-/// bench began, `stages` in sequence order: commit, claim, handled).
+/// messages waited, by quarter second of commit: the messages committed,
+/// and the median and largest wait from commit to the claim being asked
+/// for, and from there to the handler. `stages` are each message's
+/// (commit, claim asked for, handled), in µs since the bench began; the
+/// window begins at `from`.
 fn write_profile(path: &str, from: u64, stages: impl Iterator<Item = (u64, u64, u64)>) {
     use std::collections::BTreeMap;
     use std::fmt::Write;
@@ -396,8 +397,8 @@ async fn busy_figures(
     let sent = if quick { 4_000 } else { 200_000 };
     let committed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let handled: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
-    // When the claim that took each was asked for (ms since `t0`, from its
-    // lease): for the profile.
+    // When the claim that took each was asked for (µs since `t0`, read from
+    // its lease to the millisecond): for the profile.
     let claimed: Arc<Vec<AtomicU64>> = Arc::new((0..sent).map(|_| AtomicU64::new(0)).collect());
     let t0 = Instant::now();
     let wall_t0 = outbox::Timestamp::now();
@@ -455,7 +456,7 @@ async fn busy_figures(
                 handled[seq].store(micros(t0), Ordering::Relaxed);
                 if let Some(until) = m.locked_until {
                     let asked = until.saturating_sub(lease).since(wall_t0);
-                    claimed[seq].store(asked.as_millis() as u64, Ordering::Relaxed);
+                    claimed[seq].store(asked.as_millis() as u64 * 1000, Ordering::Relaxed);
                 }
                 async { Ok::<_, std::io::Error>(()) }
             })
@@ -480,7 +481,7 @@ async fn busy_figures(
     if let Ok(path) = std::env::var("OUTBOX_BENCH_TENANTS_PROFILE") {
         let stages = |seq: usize| {
             let load = |v: &[AtomicU64]| v[seq].load(Ordering::Relaxed);
-            (load(&committed), load(&claimed) * 1000, load(&handled))
+            (load(&committed), load(&claimed), load(&handled))
         };
         write_profile(&path, warm_until, (0..produced).map(stages));
     }

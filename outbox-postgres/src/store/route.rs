@@ -9,8 +9,7 @@ use outbox_api::{ClaimRequest, Message, MessageId, Result, Timestamp};
 use sqlx::{AssertSqlSafe, PgConnection, PgPool};
 
 use super::{BULK_ROWS, PgStore};
-use crate::queue::StatementQueue;
-use crate::schema::Sql;
+use crate::queue::{BoxFuture, StatementQueue};
 
 impl PgStore {
     /// The pool of a claim or completion over `rows` messages: the bulk
@@ -51,80 +50,60 @@ impl PgStore {
         self.inner.bulk.as_ref().unwrap_or(&self.inner.pool)
     }
 
+    /// Runs `f` on a connection for a statement over `rows` messages:
+    /// through the pool's queue when it has one, else on a connection of
+    /// [`pool_for`](Self::pool_for).
+    async fn on_connection<T, F>(&self, rows: usize, f: F) -> std::result::Result<T, sqlx::Error>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(
+                &'c mut PgConnection,
+            ) -> BoxFuture<'c, std::result::Result<T, sqlx::Error>>
+            + Send
+            + 'static,
+    {
+        match self.queue_for(rows) {
+            Some(queue) => queue.run(f).await,
+            None => f(&mut *self.pool_for(rows).acquire().await?).await,
+        }
+    }
+
     /// The claim of `request` (`request.limit` > 0), where it runs.
     pub(super) async fn run_claim(&self, request: &ClaimRequest) -> Result<Vec<Message>> {
         let what = "claiming messages";
-        // One round trip when the connections have the claim's settings
-        // (and then queued with the claims of the stores pinned to the same
-        // pool, if it has a queue). A corrupt row's poisoning, if any,
-        // follows as statements of their own: the row stays leased
-        // meanwhile.
-        let claimed = match (self.queue_for(0), self.inner.claims_in_session) {
-            (Some(queue), true) => {
-                let (store, request) = (self.clone(), request.clone());
-                queue
-                    .run(move |conn| Box::pin(async move { store.claim_in(conn, &request).await }))
-                    .await
-                    .map_err(|e| self.fail(e, what))?
-            }
-            (None, true) => {
-                let mut conn = self
-                    .claim_pool()
-                    .acquire()
-                    .await
-                    .map_err(|e| self.fail(e, what))?;
-                self.claim_in(&mut conn, request)
-                    .await
-                    .map_err(|e| self.fail(e, what))?
-            }
-            (_, false) => {
-                let mut tx = self.begin_claim(what).await?;
-                let result = self.claim_in(&mut tx, request).await;
-                self.finish(tx, result, what).await?
-            }
-        };
-        Ok(claimed)
+        if !self.inner.claims_in_session {
+            let mut tx = self.begin_claim(what).await?;
+            let result = self.claim_in(&mut tx, request).await;
+            return self.finish(tx, result, what).await;
+        }
+        // One round trip: the connections have the claim's settings. A
+        // corrupt row's poisoning, if any, follows as statements of their
+        // own: the row stays leased meanwhile.
+        let (store, request) = (self.clone(), request.clone());
+        self.on_connection(0, move |conn| {
+            Box::pin(async move { store.claim_in(conn, &request).await })
+        })
+        .await
+        .map_err(|e| self.fail(e, what))
     }
 
-    /// The completion of `ids` (not empty) at `now`, where it runs.
+    /// The completion of `ids` (not empty) at `now` (one statement), where
+    /// it runs.
     pub(super) async fn run_complete(&self, ids: &[MessageId], now: Timestamp) -> Result<()> {
-        let what = "completing messages";
         let rows = ids.len();
         let ids: Vec<uuid::Uuid> = ids.iter().map(MessageId::as_uuid).collect();
         let sql = Arc::clone(&self.inner.sql);
-        match self.queue_for(rows) {
-            Some(queue) => {
-                queue
-                    .run(move |conn| {
-                        Box::pin(async move { complete_in(conn, &sql, now, ids).await })
-                    })
-                    .await
-            }
-            None => {
-                let mut conn = self
-                    .pool_for(rows)
-                    .acquire()
-                    .await
-                    .map_err(|e| self.fail(e, what))?;
-                complete_in(&mut conn, &sql, now, ids).await
-            }
-        }
-        .map_err(|e| self.fail(e, what))?;
-        Ok(())
-    }
-}
-
-/// The completion of `ids` at `now` (one statement) on `conn`.
-async fn complete_in(
-    conn: &mut PgConnection,
-    sql: &Sql,
-    now: Timestamp,
-    ids: Vec<uuid::Uuid>,
-) -> std::result::Result<(), sqlx::Error> {
-    sqlx::query(AssertSqlSafe(sql.complete.as_str()))
-        .bind(now.as_millis())
-        .bind(ids)
-        .execute(conn)
+        self.on_connection(rows, move |conn| {
+            Box::pin(async move {
+                sqlx::query(AssertSqlSafe(sql.complete.as_str()))
+                    .bind(now.as_millis())
+                    .bind(ids)
+                    .execute(conn)
+                    .await?;
+                Ok(())
+            })
+        })
         .await
-        .map(|_| ())
+        .map_err(|e| self.fail(e, "completing messages"))
+    }
 }
