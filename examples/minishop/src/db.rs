@@ -515,6 +515,12 @@ async fn open_sqlite(dir: &std::path::Path, name: &'static str) -> Result<Backen
     // SQLite busy-sleeps) instead of racing for the write lock.
     let pool = SqlitePoolOptions::new()
         .max_connections(1)
+        // No test before each acquire: a file connection is not lost the
+        // way a network one is, and the test was a round trip to sqlx's
+        // worker thread per transaction on the connection that bounds the
+        // shop (docs/decisions.md, "MiniShop on SQLite: its bound is
+        // Ordering's one connection").
+        .test_before_acquire(false)
         .after_connect(move |conn, _meta| {
             let hooks = hooks.clone();
             Box::pin(async move {
