@@ -211,11 +211,14 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
     let mut placer = Some(AbortOnDrop(placer));
 
     let mut next_progress = start + Duration::from_secs(1);
-    let check_every = if opts.orders > 20_000 {
-        Duration::from_millis(100)
-    } else {
-        Duration::from_millis(5)
-    };
+    // The `orders` table is read (a count over the run's orders, on the
+    // module's one connection, which the sagas need) every `RECOUNT`, and
+    // every `SETTLING` once the sagas this process saw end say the run may
+    // be over. Read at each saga's end, it took that connection from the
+    // sagas themselves.
+    const RECOUNT: Duration = Duration::from_millis(100);
+    const SETTLING: Duration = Duration::from_millis(5);
+    let mut next_count = start;
     let mut counts = SagaCounts::default();
     loop {
         // Placement finished (or failed)?
@@ -230,12 +233,16 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
             }
         }
         let n = placed.count.load(AtomicOrdering::SeqCst);
-        let range = (*placed.first.lock().await, *placed.last.lock().await);
-        if let (Some(first), Some(last)) = range {
-            counts = ordering.saga_counts(first, last).await.map_err(Fail)?;
-        }
-        if placer.is_none() && counts.ended() >= opts.orders {
-            break;
+        let settling = placer.is_none() && ordering.progress.ended() >= opts.orders;
+        if settling || Instant::now() >= next_count {
+            let range = (*placed.first.lock().await, *placed.last.lock().await);
+            if let (Some(first), Some(last)) = range {
+                counts = ordering.saga_counts(first, last).await.map_err(Fail)?;
+            }
+            if placer.is_none() && counts.ended() >= opts.orders {
+                break;
+            }
+            next_count = Instant::now() + if settling { SETTLING } else { RECOUNT };
         }
         let now = Instant::now();
         if now >= deadline {
@@ -265,8 +272,11 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
             );
             next_progress += Duration::from_secs(1);
         }
-        let wait = check_every.min(deadline.saturating_duration_since(now));
-        let _ = tokio::time::timeout(wait, ordering.progress.notified()).await;
+        let wait = next_count
+            .min(deadline)
+            .saturating_duration_since(now)
+            .max(Duration::from_millis(1));
+        let _ = tokio::time::timeout(wait, ordering.progress.changed()).await;
     }
     let elapsed = start.elapsed();
     // The last completions may still be in flight: let the relays finish

@@ -2,7 +2,7 @@
 //! places orders, follows the warehouse's answers, and confirms or cancels.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -217,8 +217,36 @@ pub struct Ordering {
     db: ModuleDb,
     /// commit → confirmed latencies of tracked orders.
     pub latency: Latency,
-    /// Notified whenever a saga may have ended (the load generator listens).
-    pub progress: Notify,
+    /// The sagas this process saw end (the load generator listens).
+    pub progress: Progress,
+}
+
+/// How many sagas this process saw end — an `OrderConfirmed` handled, or
+/// a cancellation recorded, each the first time — with a wake-up on each.
+/// A hint, not the record: a cancellation counts before its transaction
+/// commits; the `orders` table says which sagas ended.
+#[derive(Debug, Default)]
+pub struct Progress {
+    ended: AtomicU64,
+    changed: Notify,
+}
+
+impl Progress {
+    fn saga_ended(&self) {
+        self.ended.fetch_add(1, AtomicOrdering::Relaxed);
+        self.changed.notify_one();
+    }
+
+    /// The sagas seen ending so far.
+    pub fn ended(&self) -> u64 {
+        self.ended.load(AtomicOrdering::Relaxed)
+    }
+
+    /// Waits for the next saga to end (at once if one ended since the last
+    /// wait).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
 }
 
 impl Ordering {
@@ -228,7 +256,7 @@ impl Ordering {
         Ok(Arc::new(Ordering {
             db,
             latency: Latency::default(),
-            progress: Notify::new(),
+            progress: Progress::default(),
         }))
     }
 
@@ -405,8 +433,8 @@ impl Ordering {
             self.latency
                 .record(e.order_id, Event::Handled(Instant::now()));
             tracing::debug!(order = %e.order_id, "order confirmed");
+            self.progress.saga_ended();
         }
-        self.progress.notify_one();
         Ok(())
     }
 
@@ -454,9 +482,10 @@ impl Ordering {
         .map(|r| r.rows_affected()))?;
         if changed == 0 {
             tracing::warn!(order = %e.order_id, "StockRejected for an order that is not pending; ignored");
+        } else {
+            self.progress.saga_ended();
         }
         self.latency.forget(e.order_id);
-        self.progress.notify_one();
         Ok(())
     }
 }
