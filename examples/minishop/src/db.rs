@@ -479,6 +479,18 @@ impl ModuleDb {
         }
     }
 
+    /// Whether every connection of the application's pool is in use: none
+    /// idle and none left to open (what `--sample-pools` counts).
+    pub fn pool_saturated(&self) -> bool {
+        fn saturated<DB: sqlx::Database>(pool: &sqlx::Pool<DB>) -> bool {
+            pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections()
+        }
+        match &self.backend {
+            Backend::Sqlite { pool, .. } => saturated(pool),
+            Backend::Postgres { pool, .. } => saturated(pool),
+        }
+    }
+
     /// Closes the application's connections (the store's go with it).
     pub async fn close(&self) {
         match &self.backend {

@@ -28,6 +28,8 @@ pub struct LoadOptions {
     pub placers: usize,
     /// Give up (exit non-zero) after this long.
     pub timeout: Duration,
+    /// Sample how often each module's application pool is all in use.
+    pub sample_pools: bool,
 }
 
 /// The outcome of a load run.
@@ -49,6 +51,9 @@ pub struct Summary {
     pub bus: String,
     /// The pace orders were offered at (`None`: all at once).
     pub rate: Option<f64>,
+    /// With `sample_pools`: each module and the share of samples (%) that
+    /// found its application pool all in use.
+    pub pools: Vec<(&'static str, f64)>,
 }
 
 fn ms(d: Duration) -> String {
@@ -92,7 +97,88 @@ impl fmt::Display for Summary {
             "  elapsed        {:.3} s   ({:.0} orders/s)",
             secs,
             self.orders as f64 / secs
-        )
+        )?;
+        if !self.pools.is_empty() {
+            let shares: Vec<String> = self
+                .pools
+                .iter()
+                .map(|(name, share)| format!("{name} {share:.0} %"))
+                .collect();
+            write!(
+                f,
+                "\n  pools in use   {}   (share of 0.5 ms samples with every application connection busy)",
+                shares.join(", ")
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// Whether a module's application pool has every connection in use.
+type Saturated = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// Samples every 0.5 ms, until dropped, whether each module's application
+/// pool has every connection in use.
+struct PoolSampler {
+    counts: Arc<Vec<AtomicU64>>,
+    names: Vec<&'static str>,
+    task: AbortOnDrop<()>,
+}
+
+impl PoolSampler {
+    fn start(shop: &Shop) -> Self {
+        let mut modules: Vec<(&'static str, Saturated)> = Vec::new();
+        let ordering = Arc::clone(&shop.ordering);
+        modules.push((
+            "ordering",
+            Arc::new(move || ordering.database().pool_saturated()),
+        ));
+        if let Some((warehouse, _)) = &shop.warehouse {
+            let warehouse = Arc::clone(warehouse);
+            modules.push((
+                "warehouse",
+                Arc::new(move || warehouse.database().pool_saturated()),
+            ));
+        }
+        // The samples, then each module's count of saturated ones.
+        let counts: Arc<Vec<AtomicU64>> =
+            Arc::new((0..=modules.len()).map(|_| AtomicU64::new(0)).collect());
+        let names = modules.iter().map(|(name, _)| *name).collect();
+        let task = {
+            let counts = Arc::clone(&counts);
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_micros(500));
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    counts[0].fetch_add(1, AtomicOrdering::Relaxed);
+                    for (i, (_, saturated)) in modules.iter().enumerate() {
+                        if saturated() {
+                            counts[i + 1].fetch_add(1, AtomicOrdering::Relaxed);
+                        }
+                    }
+                }
+            })
+        };
+        PoolSampler {
+            counts,
+            names,
+            task: AbortOnDrop(task),
+        }
+    }
+
+    /// Stops sampling: each module's share (%) of saturated samples.
+    fn finish(self) -> Vec<(&'static str, f64)> {
+        drop(self.task);
+        let all = self.counts[0].load(AtomicOrdering::Relaxed).max(1) as f64;
+        self.names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let busy = self.counts[i + 1].load(AtomicOrdering::Relaxed) as f64;
+                (*name, busy * 100.0 / all)
+            })
+            .collect()
     }
 }
 
@@ -158,6 +244,7 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
     let start = Instant::now();
     let deadline = start + opts.timeout;
     let placed = Arc::new(Placed::default());
+    let sampler = opts.sample_pools.then(|| PoolSampler::start(shop));
 
     let placer = {
         let placed = Arc::clone(&placed);
@@ -279,6 +366,7 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
         let _ = tokio::time::timeout(wait, ordering.progress.changed()).await;
     }
     let elapsed = start.elapsed();
+    let pools = sampler.map(PoolSampler::finish).unwrap_or_default();
     // The last completions may still be in flight: let the relays finish
     // their current drain so that every message of the run is counted.
     let settle = async {
@@ -301,6 +389,7 @@ pub async fn run(shop: &Shop, opts: LoadOptions) -> Result<Summary, Fail> {
         elapsed,
         bus: shop.bus_description.clone(),
         rate: opts.rate,
+        pools,
     })
 }
 

@@ -291,6 +291,13 @@ struct Args {
     #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
     timeout: Duration,
 
+    /// With --orders: sample every 0.5 ms whether each module's
+    /// application pool has all its connections in use, and print the
+    /// share of samples that found it so (a share near 100 % is the
+    /// run's bound).
+    #[arg(long)]
+    sample_pools: bool,
+
     /// Without --orders: the HTTP address (port 0 picks a free one).
     #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
     listen: String,
@@ -504,6 +511,7 @@ async fn serve_or_load(
                 rate: args.rate,
                 placers: usize::from(args.placers),
                 timeout: args.timeout,
+                sample_pools: args.sample_pools,
             };
             let result = load::run(&shop, opts).await;
             shop.shutdown().await;

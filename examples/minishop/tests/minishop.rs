@@ -116,12 +116,43 @@ fn two_hundred_orders_on_the_embedded_bus() {
     let dir = tempfile::tempdir().unwrap();
     let f = run(
         minishop()
-            .args(["--orders", "200", "--timeout", "60s", "--data-dir"])
+            .args(["--orders", "200", "--timeout", "60s", "--sample-pools"])
+            .arg("--data-dir")
             .arg(dir.path()),
         Duration::from_secs(90),
     );
     check_load_run(&f, 200);
     assert!(f.stdout.contains("embedded bus"), "{}", f.stdout);
+    // Placed as fast as they commit, the orders keep Ordering's one
+    // application connection busy for part of the run at least.
+    let shares = pool_shares(&f.stdout);
+    let names: Vec<&str> = shares.iter().map(|(name, _)| name.as_str()).collect();
+    assert_eq!(names, ["ordering", "warehouse"], "{}", f.stdout);
+    assert!(
+        shares.iter().all(|(_, share)| (0..=100).contains(share)) && shares[0].1 > 0,
+        "{}",
+        f.stdout
+    );
+}
+
+/// The `pools in use` line of a summary (`--sample-pools`): each module
+/// and its share (%).
+fn pool_shares(stdout: &str) -> Vec<(String, u32)> {
+    let line = stdout
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("pools in use"))
+        .unwrap_or_else(|| panic!("no `pools in use` line:\n{stdout}"));
+    let shares = line.split("(share").next().unwrap_or_default();
+    shares
+        .split(',')
+        .map(|part| {
+            let words: Vec<&str> = part.split_whitespace().collect();
+            match words[..] {
+                [name, share, "%"] => (name.to_owned(), share.parse().expect("a share")),
+                _ => panic!("`{part}` is not `NAME SHARE %`:\n{stdout}"),
+            }
+        })
+        .collect()
 }
 
 #[test]
