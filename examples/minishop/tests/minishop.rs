@@ -9,12 +9,14 @@
 //! tests fail saying how to provide one (they are never skipped).
 
 mod common;
+mod summary;
 
 use std::process::{Child, Command};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use common::*;
+use summary::figure;
 
 fn check_load_run(f: &Finished, orders: u64) {
     assert!(
@@ -521,17 +523,6 @@ fn a_timeout_says_what_is_stuck() {
 
 fn run(cmd: &mut Command, limit: Duration) -> Finished {
     wait(cmd.spawn().expect("start minishop"), limit)
-}
-
-/// The number after `label` at the start of a summary line.
-fn figure(stdout: &str, label: &str) -> u64 {
-    stdout
-        .lines()
-        .map(str::trim)
-        .find_map(|l| l.strip_prefix(label))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no `{label}` figure in the summary:\n{stdout}"))
 }
 
 fn password(url: &str) -> Option<String> {

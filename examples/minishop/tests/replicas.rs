@@ -11,6 +11,8 @@
 //! queues, exchanges, streams and schemas carry a suffix of its own
 //! (`--run ID`) and are deleted afterwards.
 
+mod summary;
+
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -19,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use outbox::postgres::sqlx::{self, Connection as _, PgConnection};
 use outbox_api::testing::service_url;
+use summary::figure;
 
 const BIN: &str = env!("CARGO_BIN_EXE_minishop");
 const ORDERS: u64 = 300;
@@ -248,17 +251,6 @@ async fn delete_amqp(url: &str, run: &str) {
 fn count(rt: &tokio::runtime::Runtime, db: &mut PgConnection, sql: &str) -> i64 {
     rt.block_on(sqlx::query_scalar(sqlx::AssertSqlSafe(sql.to_owned())).fetch_one(&mut *db))
         .unwrap_or_else(|e| panic!("{sql}: {e}"))
-}
-
-/// The number after `label` at the start of a summary line.
-fn figure(stdout: &str, label: &str) -> u64 {
-    stdout
-        .lines()
-        .map(str::trim)
-        .find_map(|l| l.strip_prefix(label))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|n| n.trim_end_matches(',').parse().ok())
-        .unwrap_or_else(|| panic!("no `{label}` figure in:\n{stdout}"))
 }
 
 #[test]

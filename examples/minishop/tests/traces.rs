@@ -311,22 +311,14 @@ fn saga_traces_over_otlp(args: &[&str]) {
         let placed = find("outbox.receive", "OrderPlaced");
         let answer = find("outbox.receive", "StockReserved");
         let confirmed = find("outbox.deliver", "OrderConfirmed");
-        assert!(
-            descends(&of, enqueued, &request.span_id),
-            "OrderPlaced enqueued under the request"
-        );
-        assert!(
-            descends(&of, placed, &enqueued.span_id),
-            "OrderPlaced received under its enqueue"
-        );
-        assert!(
-            descends(&of, answer, &placed.span_id),
-            "the answer under the warehouse's handling"
-        );
-        assert!(
-            descends(&of, confirmed, &answer.span_id),
-            "the confirmation under the answer"
-        );
+        for (span, under, what) in [
+            (enqueued, request, "OrderPlaced enqueued under the request"),
+            (placed, enqueued, "OrderPlaced received under its enqueue"),
+            (answer, placed, "the answer under the warehouse's handling"),
+            (confirmed, answer, "the confirmation under the answer"),
+        ] {
+            assert!(descends(&of, span, &under.span_id), "{what}");
+        }
     };
     check(TRACE, Some(CALLER), &traced);
     // Without a traceparent, the order's request starts a trace of its own.
