@@ -106,7 +106,7 @@ impl fmt::Display for Summary {
                 .collect();
             write!(
                 f,
-                "\n  pools in use   {}   (share of 0.5 ms samples with every application connection busy)",
+                "\n  pools in use   {}   (share of samples, one a millisecond, with every application connection busy)",
                 shares.join(", ")
             )?;
         }
@@ -117,7 +117,7 @@ impl fmt::Display for Summary {
 /// Whether a module's application pool has every connection in use.
 type Saturated = Arc<dyn Fn() -> bool + Send + Sync>;
 
-/// Samples every 0.5 ms, until dropped, whether each module's application
+/// Samples every millisecond (the timer's resolution), until dropped, whether each module's application
 /// pool has every connection in use.
 struct PoolSampler {
     counts: Arc<Vec<AtomicU64>>,
@@ -147,7 +147,7 @@ impl PoolSampler {
         let task = {
             let counts = Arc::clone(&counts);
             tokio::spawn(async move {
-                let mut tick = tokio::time::interval(Duration::from_micros(500));
+                let mut tick = tokio::time::interval(Duration::from_millis(1));
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tick.tick().await;

@@ -291,7 +291,7 @@ struct Args {
     #[arg(long, value_name = "DURATION", default_value = "120s", value_parser = parse_duration)]
     timeout: Duration,
 
-    /// With --orders: sample every 0.5 ms whether each module's
+    /// With --orders: sample every millisecond whether each module's
     /// application pool has all its connections in use, and print the
     /// share of samples that found it so (a share near 100 % is the
     /// run's bound).
