@@ -33,6 +33,23 @@ use tokio::task::JoinHandle;
 /// A boxed future, sent between threads, borrowing for `'a`.
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
+/// Statements to run on a connection, with their answer: what a caller
+/// gives [`StatementQueue::run`] (and what a store runs on a connection of
+/// its pool when it has no queue).
+pub(crate) trait OnConnection<T>:
+    for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, std::result::Result<T, sqlx::Error>>
+    + Send
+    + 'static
+{
+}
+
+impl<T, F> OnConnection<T> for F where
+    F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, std::result::Result<T, sqlx::Error>>
+        + Send
+        + 'static
+{
+}
+
 /// Most jobs run on one acquisition of the connection.
 const RUN: usize = 32;
 
@@ -80,15 +97,10 @@ impl StatementQueue {
 
     /// Runs `f` on the pool's connection after the jobs queued before it;
     /// its answer. `Err` also when no connection could be had.
-    pub(crate) async fn run<T, F>(self: &Arc<Self>, f: F) -> std::result::Result<T, sqlx::Error>
-    where
-        T: Send + 'static,
-        F: for<'c> FnOnce(
-                &'c mut PgConnection,
-            ) -> BoxFuture<'c, std::result::Result<T, sqlx::Error>>
-            + Send
-            + 'static,
-    {
+    pub(crate) async fn run<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl OnConnection<T>,
+    ) -> std::result::Result<T, sqlx::Error> {
         let (reply, answer) = oneshot::channel();
         let job: Job = Box::new(move |conn| {
             Box::pin(async move {

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use outbox_api::{ClaimRequest, Message, MessageId, Result, Timestamp};
-use sqlx::{AssertSqlSafe, PgConnection, PgPool};
+use sqlx::{AssertSqlSafe, PgPool};
 
 use super::{BULK_ROWS, PgStore};
-use crate::queue::{BoxFuture, StatementQueue};
+use crate::queue::{OnConnection, StatementQueue};
 
 impl PgStore {
     /// The pool of a claim or completion over `rows` messages: the bulk
@@ -53,15 +53,11 @@ impl PgStore {
     /// Runs `f` on a connection for a statement over `rows` messages:
     /// through the pool's queue when it has one, else on a connection of
     /// [`pool_for`](Self::pool_for).
-    async fn on_connection<T, F>(&self, rows: usize, f: F) -> std::result::Result<T, sqlx::Error>
-    where
-        T: Send + 'static,
-        F: for<'c> FnOnce(
-                &'c mut PgConnection,
-            ) -> BoxFuture<'c, std::result::Result<T, sqlx::Error>>
-            + Send
-            + 'static,
-    {
+    async fn on_connection<T: Send + 'static>(
+        &self,
+        rows: usize,
+        f: impl OnConnection<T>,
+    ) -> std::result::Result<T, sqlx::Error> {
         match self.queue_for(rows) {
             Some(queue) => queue.run(f).await,
             None => f(&mut *self.pool_for(rows).acquire().await?).await,
