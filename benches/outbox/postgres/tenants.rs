@@ -10,9 +10,11 @@
 //!   (its latency reported apart), then one tenant drains a backlog of
 //!   100,000 while they go on for 20 s more: the quiet tenants' commit →
 //!   handled latency in that window, and the hot tenant's drain rate
-//!   against a relay draining the same backlog alone; before the fleet
-//!   starts, a relay alone drains that backlog beside the writers too
-//!   (what the writers leave of the machine);
+//!   against a relay of its own draining the same backlog under the same
+//!   load (the hot tenant taken out of the fleet, which goes on relaying
+//!   the others while they write) and against a relay alone with nobody
+//!   writing (`OUTBOX_BENCH_TENANTS_CHECKPOINT` set: a `CHECKPOINT` just
+//!   before the backlog, the worst moment for the drain to begin);
 //! * the connections the fleet holds, against what single relays hold;
 //! * idle cost (transactions a second and CPU) against 1,000 single relays
 //!   at their default poll on the same pool and listener;
@@ -383,15 +385,17 @@ async fn busy_figures(
     let (n, writers) = (stores.len(), 16);
     let backlog = if quick { 2_000 } else { 100_000 };
     let mut out = Vec::new();
-    // The baseline drain: a relay alone on the hot tenant's backlog.
+    // The machine's drain: a relay alone on the hot tenant's backlog, nobody
+    // writing.
     let alone_rate = drain_alone(pool, &stores[0], backlog, "alone").await;
 
-    // The others start writing; a relay alone drains the same backlog
-    // again beside them (what the machine leaves the hot tenant while the
-    // writers commit; their messages wait for the fleet). Then the fleet:
-    // first a warm-up as long as the window (each connection prepares its
-    // tenants' statements once), then the hot tenant gets its backlog again
-    // and the window begins.
+    // The others start writing and the fleet relays every tenant: first a
+    // warm-up as long as the window (each connection prepares its tenants'
+    // statements once), then the hot tenant gets its backlog again and the
+    // window begins. After the window the hot tenant leaves the fleet and a
+    // relay of its own drains the same backlog, the others still writing
+    // and relayed by the fleet: the baseline of the hot tenant's drain, one
+    // relay per tenant under the same load.
     let hot_done = Arc::new(AtomicU64::new(0));
     // Commit and handling times of the quiet messages, by sequence number.
     let sent = if quick { 4_000 } else { 200_000 };
@@ -442,8 +446,7 @@ async fn busy_figures(
             }
         }));
     }
-    let beside_rate = drain_alone(pool, &stores[0], backlog, "beside-writers").await;
-    // Messages committed before the fleet began are in neither figure.
+    // Messages committed before the fleet began are in no figure.
     let fleet_from = micros(t0);
     let fleet = fleet_of("busy", stores, |i| {
         if i == 0 {
@@ -463,18 +466,30 @@ async fn busy_figures(
         }
     });
     tokio::time::sleep(window).await;
+    if std::env::var_os("OUTBOX_BENCH_TENANTS_CHECKPOINT").is_some() {
+        // The worst case: a checkpoint just before the drain, so that the
+        // drain's first write to each page carries the whole page.
+        sqlx::query("CHECKPOINT").execute(pool).await.unwrap();
+    }
     fill(pool, &stores[0], backlog).await;
     let hot_start = Instant::now();
     let warm_until = micros(t0);
-    stop_at.store(warm_until + window.as_micros() as u64, Ordering::Relaxed);
+    let window_end = warm_until + window.as_micros() as u64;
     let mut hot_rate = None;
     let mut held = 0;
-    while producers.iter().any(|p| !p.is_finished()) || hot_rate.is_none() {
+    while micros(t0) < window_end || hot_rate.is_none() {
         held = held.max(connections(pool).await);
         if hot_rate.is_none() && hot_done.load(Ordering::Relaxed) >= backlog as u64 {
             hot_rate = Some(backlog as f64 / hot_start.elapsed().as_secs_f64());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let own_from = micros(t0);
+    fleet.remove(&schema(0)).await.unwrap();
+    let own_rate = drain_alone(pool, &stores[0], backlog, "own").await;
+    stop_at.store(micros(t0), Ordering::Relaxed);
+    for p in producers {
+        p.await.unwrap();
     }
     let produced = next.load(Ordering::Relaxed).min(sent);
     fleet.until_idle().await.unwrap();
@@ -485,8 +500,9 @@ async fn busy_figures(
         };
         write_profile(&path, warm_until, (0..produced).map(stages));
     }
-    // Split by commit time: the warm-up, and the window.
-    let (mut warming, mut measured) = (histogram(), histogram());
+    // Split by commit time: the warm-up, the window, and the baseline's
+    // drain (from the hot tenant's leaving the fleet).
+    let (mut warming, mut measured, mut own) = (histogram(), histogram(), histogram());
     // The window's latencies of the quiet tenants pinned with the hot one,
     // and of the others.
     let (mut beside_hot, mut apart) = (histogram(), histogram());
@@ -503,7 +519,9 @@ async fn busy_figures(
         let wait = h.saturating_sub(c).max(1);
         if c < warm_until {
             warming.record(wait).unwrap();
-        } else {
+        } else if c >= own_from {
+            own.record(wait).unwrap();
+        } else if c < window_end {
             measured.record(wait).unwrap();
             let split = if with_hot[1 + seq % quiet] {
                 &mut beside_hot
@@ -546,24 +564,33 @@ async fn busy_figures(
         "—",
         "—",
     ));
+    out.extend(latency_rows(
+        "tenants: … while the hot tenant drains on a relay of its own instead (the baseline below)",
+        &own,
+        "—",
+        "—",
+    ));
     let hot_rate = hot_rate.unwrap_or(f64::NAN);
     out.push(
         Figure::new(
             "tenants: the hot tenant's drain in the fleet, the others writing (msg/s)",
             hot_rate,
             "msg/s",
-            "≥ 0.8 × alone",
+            "≥ 0.8 × its own relay",
         )
-        .beside("a relay alone on the same backlog", alone_rate),
+        .beside(
+            "a relay of its own on the same backlog, the others writing and relayed by the fleet (just after the window)",
+            own_rate,
+        ),
     );
     out.push(
         Figure::new(
-            "tenants: … a relay alone on the same backlog, the others writing (no fleet: what the writers leave)",
-            beside_rate,
+            "tenants: … the same drain against a relay alone with nobody writing (what the writers and the others' relaying leave)",
+            hot_rate,
             "msg/s",
             "—",
         )
-        .beside("a relay alone, nobody writing", alone_rate),
+        .beside("a relay alone on the same backlog, nobody writing", alone_rate),
     );
     // Connections: the fleet's pools, its LISTEN connection and its commit
     // watcher's, against single relays, each with a pool (of at least one
