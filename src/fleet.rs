@@ -68,6 +68,12 @@ impl std::fmt::Debug for Fleet {
 /// The default [`FleetBuilder::sweep_interval`].
 pub const DEFAULT_SWEEP: Duration = Duration::from_secs(30);
 
+/// The default [`FleetBuilder::concurrency`]: four times an outbox's own
+/// default limit ([`RelayConfig::concurrency`](crate::RelayConfig::concurrency),
+/// 64), so that one outbox draining a backlog at its limit leaves three
+/// quarters of the slots to the others (rule "Fleets" in `docs/rules.md`).
+pub const DEFAULT_FLEET_CONCURRENCY: usize = 256;
+
 /// Builds a [`Fleet`].
 #[derive(Debug, Clone)]
 pub struct FleetBuilder {
@@ -80,7 +86,7 @@ pub struct FleetBuilder {
 impl Default for FleetBuilder {
     fn default() -> Self {
         FleetBuilder {
-            concurrency: 64,
+            concurrency: DEFAULT_FLEET_CONCURRENCY,
             worker_id: format!("fleet-{}-{:08x}", std::process::id(), fastrand::u32(..)),
             sweep: DEFAULT_SWEEP,
             labels: MetricLabels::Outbox,
@@ -89,9 +95,12 @@ impl Default for FleetBuilder {
 }
 
 impl FleetBuilder {
-    /// Deliveries in flight at once across all the fleet's outboxes (64).
-    /// Each outbox's own [`RelayConfig::concurrency`](crate::RelayConfig::concurrency)
-    /// stays its limit within it.
+    /// Deliveries in flight at once across all the fleet's outboxes
+    /// ([`DEFAULT_FLEET_CONCURRENCY`], 256). Each outbox's own
+    /// [`RelayConfig::concurrency`](crate::RelayConfig::concurrency) stays
+    /// its limit within it; keep that below the fleet's, or one outbox with
+    /// a backlog takes every slot and the others' messages wait for their
+    /// turn in the slots' queue behind it.
     pub fn concurrency(mut self, slots: usize) -> Self {
         self.concurrency = slots;
         self
@@ -356,4 +365,20 @@ fn member(handle: &RelayHandle) -> &crate::relay::Member {
         .relay()
         .fleet_member()
         .expect("a fleet's relays take their slots from it")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn by_default_one_outbox_at_its_own_limit_leaves_most_of_the_fleets_slots_to_the_others() {
+        let fleet = FleetBuilder::default().build().unwrap();
+        let own = crate::RelayConfig::default().concurrency;
+        assert_eq!(fleet.inner.budget.total(), DEFAULT_FLEET_CONCURRENCY);
+        assert!(
+            own * 4 <= DEFAULT_FLEET_CONCURRENCY,
+            "an outbox's default limit ({own}) takes at most a quarter of the fleet's slots ({DEFAULT_FLEET_CONCURRENCY})"
+        );
+    }
 }

@@ -9,7 +9,8 @@ mod relay;
 
 pub use config::RelayConfig;
 pub use fleet::{
-    Catalogue, DEFAULT_SWEEP, Discovery, DiscoveryReport, Fleet, FleetBuilder, FleetHealth,
+    Catalogue, DEFAULT_FLEET_CONCURRENCY, DEFAULT_SWEEP, Discovery, DiscoveryReport, Fleet,
+    FleetBuilder, FleetHealth,
 };
 pub use relay::{DrainReport, Relay, RelayBuilder, RelayHandle};
 
