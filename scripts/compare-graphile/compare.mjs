@@ -11,7 +11,10 @@
 //
 // * drain: N messages enqueued before the workers start; rate = N over the
 //   time from the first handled to the last, across one or two worker
-//   processes;
+//   processes; and the share of the machine's cores busy (/proc/stat: not
+//   idle, not waiting for I/O) from the workers' start to the end of the
+//   drain, the server's work included: what one process leaves for a
+//   second to take;
 // * latency: an application process commits one message per transaction,
 //   open loop at RATE a second from 8 connections; the worker runs in
 //   another process; commit returned → handler started, per message (the
@@ -167,6 +170,18 @@ async function untilEmpty(countSql, deadlineMs = 600000) {
   }
 }
 
+/** The machine's CPU time so far, idle and in all, from /proc/stat. */
+function cpuTimes() {
+  const f = readFileSync("/proc/stat", "utf8").split("\n")[0].trim().split(/\s+/).slice(1).map(Number);
+  return { idle: f[3] + (f[4] ?? 0), all: f.reduce((a, b) => a + b, 0) };
+}
+
+/** The share of the machine's cores busy (not idle, not waiting for I/O)
+ * between two readings of `cpuTimes`. */
+function busy(from, to) {
+  return 1 - (to.idle - from.idle) / (to.all - from.all);
+}
+
 function rate(outputs, n) {
   const parsed = outputs.map((l) =>
     Object.fromEntries(l.split(" ").map((kv) => kv.split("=")).map(([k, v]) => [k, Number(v)])),
@@ -194,11 +209,13 @@ async function graphileDrain(procs, n) {
       [s, Math.min(s + 1000, n) - 1],
     );
   }
+  const from = cpuTimes();
   const workers = Array.from({ length: procs }, () => child("node", ["compare.mjs", "graphile-worker"]));
   await untilEmpty("SELECT count(*) AS n FROM graphile_worker._private_jobs");
+  const cores = busy(from, cpuTimes());
   workers.forEach((w) => w.close());
   await Promise.all(workers.map((w) => w.exited));
-  return rate(await Promise.all(workers.map((w) => w.line(/^handled=/))), n);
+  return { rate: rate(await Promise.all(workers.map((w) => w.line(/^handled=/))), n), cores };
 }
 
 async function outboxDrain(procs, n, keep) {
@@ -207,11 +224,13 @@ async function outboxDrain(procs, n, keep) {
   const fill = child(PG_WORKER, ["fill", URL, SCHEMA, String(n)]);
   fill.close();
   await fill.exited;
+  const from = cpuTimes();
   const workers = Array.from({ length: procs }, (_, i) =>
     child(PG_WORKER, ["drain", URL, SCHEMA, `compare-${i}`, String(BATCH), String(CONCURRENCY), String(keep)]),
   );
   await Promise.all(workers.map((w) => w.exited));
-  return rate(await Promise.all(workers.map((w) => w.line(/^handled=/))), n);
+  const cores = busy(from, cpuTimes());
+  return { rate: rate(await Promise.all(workers.map((w) => w.line(/^handled=/))), n), cores };
 }
 
 function latencies(commitsFile, handledFile, n) {
@@ -283,11 +302,17 @@ async function main() {
     );
     for (const side of sides) {
       for (const procs of process.env.ONLY === "latency" ? [] : [1, 2]) {
-        if (side === "graphile") {
-          add(`drain, ${procs} process(es) | graphile-worker`, await graphileDrain(procs, n));
-        } else {
-          add(`drain, ${procs} process(es) | outbox-rs`, await outboxDrain(procs, n, true));
-          add(`drain, ${procs} process(es) | outbox-rs, keep_processed(false)`, await outboxDrain(procs, n, false));
+        const drains =
+          side === "graphile"
+            ? [["graphile-worker", () => graphileDrain(procs, n)]]
+            : [
+                ["outbox-rs", () => outboxDrain(procs, n, true)],
+                ["outbox-rs, keep_processed(false)", () => outboxDrain(procs, n, false)],
+              ];
+        for (const [worker, drain] of drains) {
+          const d = await drain();
+          add(`drain, ${procs} process(es) | ${worker}`, d.rate);
+          add(`… the machine's cores busy meanwhile, ${procs} process(es) | ${worker}`, d.cores);
         }
       }
       const l = await latency(side, rateHz, latencyN);
@@ -310,7 +335,9 @@ async function main() {
   console.log("|---|---|---|");
   for (const [k, xs] of Object.entries(rows)) {
     const [figure, worker] = k.split(" | ");
-    const value = figure.includes("÷")
+    const value = figure.includes("cores busy")
+      ? `${fmt(xs.map((x) => x * 100), "", 0)} %`
+      : figure.includes("÷")
       ? `${fmt(xs, "", 2)} ×`
       : figure.startsWith("drain")
       ? `${fmt(xs, "k")} msg/s`
