@@ -4,6 +4,9 @@ use std::time::Duration;
 
 use outbox_api::{Error, Result, RetryPolicy};
 
+/// The default [`RelayConfig::concurrency`].
+pub(crate) const DEFAULT_CONCURRENCY: usize = 64;
+
 /// Everything a relay can be told; every default is the one stated in
 /// `docs/rules.md` (those of the system outbox-rs replaces, see
 /// `docs/decisions.md#defaults-of-the-original-system`), and every field is
@@ -102,7 +105,7 @@ impl Default for RelayConfig {
             max_attempts: 5,
             lease: Duration::from_secs(60),
             handler_timeout: Duration::from_secs(30),
-            concurrency: 64,
+            concurrency: DEFAULT_CONCURRENCY,
             retry_policy: RetryPolicy::NextRound,
             retention: Some(Duration::from_secs(7 * 24 * 3600)),
             purge_interval: Duration::from_secs(60),

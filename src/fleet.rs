@@ -72,7 +72,7 @@ pub const DEFAULT_SWEEP: Duration = Duration::from_secs(30);
 /// default limit ([`RelayConfig::concurrency`](crate::RelayConfig::concurrency),
 /// 64), so that one outbox draining a backlog at its limit leaves three
 /// quarters of the slots to the others (rule "Fleets" in `docs/rules.md`).
-pub const DEFAULT_FLEET_CONCURRENCY: usize = 256;
+pub const DEFAULT_FLEET_CONCURRENCY: usize = 4 * crate::config::DEFAULT_CONCURRENCY;
 
 /// Builds a [`Fleet`].
 #[derive(Debug, Clone)]

@@ -114,9 +114,6 @@ impl fmt::Display for Summary {
     }
 }
 
-/// Whether a module's application pool has every connection in use.
-type Saturated = Arc<dyn Fn() -> bool + Send + Sync>;
-
 /// Samples every millisecond (the timer's resolution), until dropped, whether each module's application
 /// pool has every connection in use.
 struct PoolSampler {
@@ -127,18 +124,9 @@ struct PoolSampler {
 
 impl PoolSampler {
     fn start(shop: &Shop) -> Self {
-        let mut modules: Vec<(&'static str, Saturated)> = Vec::new();
-        let ordering = Arc::clone(&shop.ordering);
-        modules.push((
-            "ordering",
-            Arc::new(move || ordering.database().pool_saturated()),
-        ));
+        let mut modules = vec![("ordering", shop.ordering.database().clone())];
         if let Some((warehouse, _)) = &shop.warehouse {
-            let warehouse = Arc::clone(warehouse);
-            modules.push((
-                "warehouse",
-                Arc::new(move || warehouse.database().pool_saturated()),
-            ));
+            modules.push(("warehouse", warehouse.database().clone()));
         }
         // The samples, then each module's count of saturated ones.
         let counts: Arc<Vec<AtomicU64>> =
@@ -152,8 +140,8 @@ impl PoolSampler {
                 loop {
                     tick.tick().await;
                     counts[0].fetch_add(1, AtomicOrdering::Relaxed);
-                    for (i, (_, saturated)) in modules.iter().enumerate() {
-                        if saturated() {
+                    for (i, (_, db)) in modules.iter().enumerate() {
+                        if db.pool_saturated() {
                             counts[i + 1].fetch_add(1, AtomicOrdering::Relaxed);
                         }
                     }
