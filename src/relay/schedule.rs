@@ -9,8 +9,10 @@
 //! delivery starts only if it can end, within `handler_timeout`, before its
 //! lease does. Integration messages that are ready together go out in one
 //! transport send, several sends in flight at once (a continuous window).
-//! Outcomes are recorded in small groups: one store round at a time, with
-//! whatever finished since the last, and the next claim riding along.
+//! Outcomes are recorded in small groups: a store round records whatever
+//! finished since the last, and the next claim rides along. While one round
+//! is in flight a second may start if it claims, so that the next batch is
+//! on its way while this one is delivered.
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;
@@ -42,10 +44,29 @@ struct Ready {
     lease_until: Timestamp,
 }
 
+/// Store rounds in flight at most: one recording and claiming while the
+/// next claim is already on its way (rule "Scheduling").
+const ROUNDS_IN_FLIGHT: usize = 2;
+
+/// What a store round was started with, for when it ends.
+struct Plan {
+    /// The most messages its claim may bring, if it claims.
+    claim_limit: usize,
+    /// When the leases its claim asks for end, if it claims.
+    lease_until: Option<Timestamp>,
+    /// It records something that may make a message claimable
+    /// (`Settlement::frees`).
+    frees: bool,
+    /// `changes` when its claim began: a commit announced or a record that
+    /// frees a message ended after that may have been too late for the
+    /// claim to see.
+    changes_at_claim: u64,
+}
+
 /// What the scheduler waited for.
 enum Event {
     Finished(Done),
-    Round(Round),
+    Round((Round, Plan)),
     Commit(bool),
     /// The fleet's slot this relay waited for.
     Slot(Slot),
@@ -56,7 +77,7 @@ enum Event {
 /// in, and how long it took.
 type Done = (Vec<(Message, DeliveryOutcome)>, Duration);
 type Delivery = Pin<Box<dyn Future<Output = Done> + Send>>;
-type StoreRound = Pin<Box<dyn Future<Output = Round> + Send>>;
+type StoreRound = Pin<Box<dyn Future<Output = (Round, Plan)> + Send>>;
 type SlotWait = Pin<Box<dyn Future<Output = Slot> + Send>>;
 
 pub(super) struct Scheduler<'a> {
@@ -76,21 +97,16 @@ pub(super) struct Scheduler<'a> {
     granted: Option<Slot>,
     /// Outcomes not yet handed to a store round.
     pending: Settlement,
-    round: Option<StoreRound>,
-    /// When the round in flight was asked to claim, the lease it asks for
-    /// ends at this time.
-    round_lease_until: Option<Timestamp>,
+    /// Store rounds in flight (`ROUNDS_IN_FLIGHT` at most).
+    rounds: FuturesUnordered<StoreRound>,
+    /// The most messages the claims in flight may bring.
+    coming: usize,
     /// The last claim found less than it asked for: claim again only when
     /// a settle may have unblocked something or a commit was announced.
     exhausted: bool,
-    /// The round in flight records something that may make a message
-    /// claimable (`Settlement::frees`).
-    round_frees: bool,
-    /// Commits announced by the store's listener so far.
-    announced: u64,
-    /// `announced` when the round in flight began its claim: a commit
-    /// announced after that may have been too late for the claim to see.
-    announced_at_claim: u64,
+    /// Commits announced by the store's listener, and ended rounds that
+    /// recorded something that may make a message claimable, so far.
+    changes: u64,
     /// Store rounds that carried a claim.
     claim_rounds: usize,
     claimed: usize,
@@ -118,12 +134,10 @@ impl<'a> Scheduler<'a> {
             slot_wait: None,
             granted: None,
             pending: Settlement::default(),
-            round: None,
-            round_lease_until: None,
+            rounds: FuturesUnordered::new(),
+            coming: 0,
             exhausted: false,
-            round_frees: false,
-            announced: 0,
-            announced_at_claim: 0,
+            changes: 0,
             claim_rounds: 0,
             claimed: 0,
             report: DrainReport::default(),
@@ -142,6 +156,11 @@ impl<'a> Scheduler<'a> {
             if self.relay.stopping() || self.error.is_some() {
                 self.give_back_ready();
             }
+            // The next batch's claim goes out before this one is delivered,
+            // beside the round in flight if there is one.
+            if !self.ready.is_empty() {
+                self.start_round();
+            }
             self.start_ready();
             // Deliveries that end at once (quick in-process handlers) are
             // taken in now, so that their completion rides with the next
@@ -155,10 +174,8 @@ impl<'a> Scheduler<'a> {
                 self.slot_wait = None;
                 self.granted = None;
             }
-            if self.round.is_none() {
-                self.start_round();
-            }
-            if self.round.is_none() && self.deliveries.is_empty() && self.ready.is_empty() {
+            self.start_round();
+            if self.rounds.is_empty() && self.deliveries.is_empty() && self.ready.is_empty() {
                 break;
             }
             // Listen while a round is in flight too: a commit announced
@@ -175,15 +192,12 @@ impl<'a> Scheduler<'a> {
                     // store round records it too.
                     self.take_finished_at_once();
                 }
-                Event::Round(round) => {
-                    self.round = None;
-                    self.round_done(round);
-                }
+                Event::Round((round, plan)) => self.round_done(round, plan),
                 Event::Commit(changed) => {
                     // A commit, or a poll interval gone by (retries and
                     // expired leases come due without a commit): claim again.
                     if changed {
-                        self.announced += 1;
+                        self.changes += 1;
                     }
                     self.exhausted = false;
                 }
@@ -217,21 +231,21 @@ impl<'a> Scheduler<'a> {
         now.is_some()
     }
 
-    /// Waits for a delivery to end, the store round to end, or (with
+    /// Waits for a delivery to end, a store round to end, or (with
     /// `listen`) a commit announced by the store: while work is in flight, a
     /// commit makes the next claim worth making.
     async fn next_event(&mut self, listen: bool) -> Event {
         let poll_interval = self.relay.inner.config.poll_interval;
         let has_deliveries = !self.deliveries.is_empty();
-        let has_round = self.round.is_some();
+        let has_round = !self.rounds.is_empty();
         let has_slot_wait = self.slot_wait.is_some();
         let deliveries = &mut self.deliveries;
-        let round = &mut self.round;
+        let rounds = &mut self.rounds;
         let listener = &mut self.listener;
         let slot_wait = &mut self.slot_wait;
         tokio::select! {
             Some(done) = deliveries.next(), if has_deliveries => Event::Finished(done),
-            done = async { round.as_mut().expect("guarded").await }, if has_round => Event::Round(done),
+            Some(done) = rounds.next(), if has_round => Event::Round(done),
             slot = async { slot_wait.as_mut().expect("guarded").await }, if has_slot_wait => Event::Slot(slot),
             changed = async { listener.as_mut().expect("guarded").wait(poll_interval).await }, if listen => Event::Commit(changed),
             else => Event::Nothing,
@@ -251,9 +265,11 @@ impl<'a> Scheduler<'a> {
         if self.mode == Mode::OneBatch && self.claim_rounds > 0 {
             return false;
         }
-        // At most one batch waits for slots beyond those in flight.
-        let room = self.ready.len() < cfg.batch_size
-            && self.slots_used + self.ready.len() < cfg.concurrency + cfg.batch_size;
+        // At most one batch waits for slots beyond those in flight, and two
+        // batches wait or are on their way.
+        let waiting = self.ready.len() + self.coming;
+        let room = waiting < 2 * cfg.batch_size
+            && self.slots_used + waiting < cfg.concurrency + cfg.batch_size;
         // Completions of keyed messages and releases may unblock a key's
         // later messages; an unkeyed completion unblocks nothing, so after
         // a short claim it waits for a commit to be announced instead of
@@ -280,8 +296,15 @@ impl<'a> Scheduler<'a> {
         )
     }
 
-    /// Starts a store round if there is anything to record or claim.
+    /// Starts a store round if there is anything to record or claim: with
+    /// no round in flight, for either; beside one, only to claim (what it
+    /// has to record rides along), so that the next batch is on its way
+    /// while this one is delivered, and completions that could wait for the
+    /// round in flight cost no round of their own.
     fn start_round(&mut self) {
+        if self.rounds.len() >= ROUNDS_IN_FLIGHT {
+            return;
+        }
         let now = self.relay.now();
         let claim = if self.wants_claim() {
             let request = self.claim_request(now);
@@ -294,34 +317,38 @@ impl<'a> Scheduler<'a> {
         } else {
             None
         };
-        if claim.is_none() && self.pending.is_empty() {
+        if claim.is_none() && (self.pending.is_empty() || !self.rounds.is_empty()) {
             return;
         }
-        self.round_lease_until = claim.as_ref().map(|c| now.saturating_add(c.lease));
+        let plan = Plan {
+            claim_limit: claim.as_ref().map_or(0, |c| c.limit),
+            lease_until: claim.as_ref().map(|c| now.saturating_add(c.lease)),
+            frees: self.pending.frees(),
+            changes_at_claim: self.changes,
+        };
         if claim.is_some() {
             self.claim_rounds += 1;
-            self.announced_at_claim = self.announced;
         }
-        self.round_frees = self.pending.frees();
+        self.coming += plan.claim_limit;
         let settlement = std::mem::take(&mut self.pending);
         let relay = self.relay.clone();
-        self.round = Some(Box::pin(async move {
-            relay.settle_and_claim(settlement, claim).await
+        self.rounds.push(Box::pin(async move {
+            (relay.settle_and_claim(settlement, claim).await, plan)
         }));
     }
 
-    fn round_done(&mut self, round: Round) {
+    fn round_done(&mut self, round: Round, plan: Plan) {
         self.report.add(round.report);
-        let lease_until = self.round_lease_until.take();
+        self.coming -= plan.claim_limit;
         match round.claimed {
             Some(messages) => {
                 self.relay.inner.meter.claimed(messages.len());
-                let limit = self.config().batch_size;
-                // A commit announced while the claim ran may not be in it.
+                // A commit announced, or a message freed by another round,
+                // while the claim ran may not be in it.
                 self.exhausted =
-                    messages.len() < limit && self.announced == self.announced_at_claim;
+                    messages.len() < plan.claim_limit && self.changes == plan.changes_at_claim;
                 self.claimed += messages.len();
-                let lease_until = lease_until.expect("a claim has a lease");
+                let lease_until = plan.lease_until.expect("a claim has a lease");
                 self.ready.extend(messages.into_iter().map(|message| Ready {
                     message,
                     lease_until,
@@ -329,10 +356,14 @@ impl<'a> Scheduler<'a> {
             }
             // Only records: what they unblock is claimed next round
             // (unkeyed completions unblock nothing).
-            None if round.error.is_none() && self.round_frees => {
+            None if round.error.is_none() && plan.frees => {
                 self.exhausted = false;
             }
             None => {}
+        }
+        if plan.frees {
+            // A claim beside this round may not have seen what it freed.
+            self.changes += 1;
         }
         if let Some(e) = round.error {
             self.error.get_or_insert(e);

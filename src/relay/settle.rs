@@ -45,9 +45,9 @@ impl Settlement {
 
     /// Whether recording it may make a message claimable: anything but
     /// unkeyed completions (a released or failed message, a keyed one's
-    /// successor).
+    /// successor); nothing, when there is nothing to record.
     pub(super) fn frees(&self) -> bool {
-        !self.only_done() || self.keyed_done
+        !self.is_empty() && (!self.only_done() || self.keyed_done)
     }
 
     /// Whether only deliveries are waiting (a claim may then ride along).

@@ -38,12 +38,13 @@ enum Call {
 type ClaimHook = Arc<Mutex<Option<Box<dyn FnMut() + Send>>>>;
 
 /// The memory store, recording each call; `on_claim` runs before a claim
-/// returns.
+/// returns; a completion waits for a permit of `completions` if set.
 #[derive(Clone)]
 struct Recording {
     store: MemoryStore,
     calls: Arc<Mutex<Vec<Call>>>,
     on_claim: ClaimHook,
+    completions: Option<Arc<Semaphore>>,
 }
 
 impl std::fmt::Debug for Recording {
@@ -58,6 +59,7 @@ impl Recording {
             store: MemoryStore::with_clock(clock.clone()),
             calls: Arc::default(),
             on_claim: Arc::default(),
+            completions: None,
         }
     }
 
@@ -114,6 +116,9 @@ impl Store for Recording {
 
     async fn complete(&self, ids: &[MessageId], now: Timestamp) -> Result<()> {
         self.record(Call::Complete(ids.to_vec()));
+        if let Some(permits) = &self.completions {
+            permits.acquire().await.unwrap().forget();
+        }
         self.store.complete(ids, now).await
     }
 
@@ -334,6 +339,50 @@ async fn claims_stop_once_a_batch_waits_beyond_the_deliveries_in_flight() {
     gate.add_permits(20);
     let report = drain.await.unwrap().unwrap();
     assert_eq!(report.delivered, 20);
+}
+
+#[tokio::test]
+async fn the_next_batch_is_claimed_and_delivered_while_a_round_records_completions() {
+    let clock = clock();
+    let completions = Arc::new(Semaphore::new(0));
+    let store = Recording {
+        completions: Some(Arc::clone(&completions)),
+        ..Recording::new(&clock)
+    };
+    let batch = 3;
+    store
+        .enqueue((0..3 * batch).map(|_| domain("Ok", None)).collect())
+        .await;
+    let ran = Arc::new(Mutex::new(Vec::new()));
+    let relay = Relay::builder(store.clone())
+        .clock(clock.clone())
+        .dispatcher(handlers(&ran))
+        .batch_size(batch)
+        .build()
+        .unwrap();
+    let drain = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.drain().await }
+    });
+    // Completions are held: the round recording the first batch's stays in
+    // flight, and the next batch is claimed and delivered beside it.
+    outbox_api::testing::wait_until(
+        "the second batch delivered while the first one's completion is held",
+        Duration::from_secs(10),
+        || {
+            let n = ran.lock().unwrap().len();
+            async move { n >= 2 * batch }
+        },
+    )
+    .await;
+    completions.add_permits(100);
+    let report = drain.await.unwrap().unwrap();
+    assert_eq!(report.delivered, 3 * batch as u64);
+    let mut completed = store.completed();
+    completed.sort();
+    let mut delivered = ran.lock().unwrap().clone();
+    delivered.sort();
+    assert_eq!(completed, delivered, "each delivery completed once");
 }
 
 #[tokio::test]
