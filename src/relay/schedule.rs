@@ -104,6 +104,9 @@ pub(super) struct Scheduler<'a> {
     /// The last claim found less than it asked for: claim again only when
     /// a settle may have unblocked something or a commit was announced.
     exhausted: bool,
+    /// The last claim came back full: a backlog, so the next claim goes
+    /// out before its batch is delivered, beside a round in flight.
+    backlog: bool,
     /// Commits announced by the store's listener, and ended rounds that
     /// recorded something that may make a message claimable, so far.
     changes: u64,
@@ -137,6 +140,7 @@ impl<'a> Scheduler<'a> {
             rounds: FuturesUnordered::new(),
             coming: 0,
             exhausted: false,
+            backlog: false,
             changes: 0,
             claim_rounds: 0,
             claimed: 0,
@@ -156,9 +160,9 @@ impl<'a> Scheduler<'a> {
             if self.relay.stopping() || self.error.is_some() {
                 self.give_back_ready();
             }
-            // The next batch's claim goes out before this one is delivered,
-            // beside the round in flight if there is one.
-            if !self.ready.is_empty() {
+            // In a backlog the next batch's claim goes out before this one
+            // is delivered, beside the round in flight if there is one.
+            if self.backlog && !self.ready.is_empty() {
                 self.start_round();
             }
             self.start_ready();
@@ -297,12 +301,14 @@ impl<'a> Scheduler<'a> {
     }
 
     /// Starts a store round if there is anything to record or claim: with
-    /// no round in flight, for either; beside one, only to claim (what it
-    /// has to record rides along), so that the next batch is on its way
-    /// while this one is delivered, and completions that could wait for the
-    /// round in flight cost no round of their own.
+    /// no round in flight, for either; beside one, only in a backlog and
+    /// only to claim (what it has to record rides along), so that the next
+    /// batch is on its way while this one is delivered. Completions that
+    /// could wait for the round in flight cost no round of their own, and
+    /// claims that would find a few messages each (a busy outbox without a
+    /// backlog) still ride with the completions.
     fn start_round(&mut self) {
-        if self.rounds.len() >= ROUNDS_IN_FLIGHT {
+        if self.rounds.len() >= ROUNDS_IN_FLIGHT || (!self.rounds.is_empty() && !self.backlog) {
             return;
         }
         let now = self.relay.now();
@@ -347,6 +353,7 @@ impl<'a> Scheduler<'a> {
                 // while the claim ran may not be in it.
                 self.exhausted =
                     messages.len() < plan.claim_limit && self.changes == plan.changes_at_claim;
+                self.backlog = messages.len() == plan.claim_limit;
                 self.claimed += messages.len();
                 let lease_until = plan.lease_until.expect("a claim has a lease");
                 self.ready.extend(messages.into_iter().map(|message| Ready {
