@@ -10,9 +10,9 @@
 //! lease does. Integration messages that are ready together go out in one
 //! transport send, several sends in flight at once (a continuous window).
 //! Outcomes are recorded in small groups: a store round records whatever
-//! finished since the last, and the next claim rides along. While one round
-//! is in flight a second may start if it claims, so that the next batch is
-//! on its way while this one is delivered.
+//! finished since the last, and the next claim rides along. In a backlog,
+//! while one round is in flight a second may start if it claims, so that
+//! the next batch is on its way while this one is delivered.
 
 use std::collections::{HashSet, VecDeque};
 use std::pin::Pin;

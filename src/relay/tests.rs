@@ -164,6 +164,12 @@ fn domain(message_type: &str, key: Option<&str>) -> NewMessage {
     }
 }
 
+/// A drain of `relay` in a task of its own.
+fn spawn_drain(relay: &Relay) -> tokio::task::JoinHandle<Result<super::DrainReport>> {
+    let relay = relay.clone();
+    tokio::spawn(async move { relay.drain().await })
+}
+
 /// Handlers that record the order they ran in; type `Fail` always fails.
 fn handlers(ran: &Arc<Mutex<Vec<MessageId>>>) -> Handlers {
     let (ok, failing) = (Arc::clone(ran), Arc::clone(ran));
@@ -293,10 +299,7 @@ async fn claims_stop_once_a_batch_waits_beyond_the_deliveries_in_flight() {
         .batch_size(batch)
         .build()
         .unwrap();
-    let drain = tokio::spawn({
-        let relay = relay.clone();
-        async move { relay.drain().await }
-    });
+    let drain = spawn_drain(&relay);
     outbox_api::testing::wait_until("both slots busy", Duration::from_secs(10), || {
         let n = started.load(Ordering::SeqCst);
         async move { n == concurrency }
@@ -360,10 +363,7 @@ async fn the_next_batch_is_claimed_and_delivered_while_a_round_records_completio
         .batch_size(batch)
         .build()
         .unwrap();
-    let drain = tokio::spawn({
-        let relay = relay.clone();
-        async move { relay.drain().await }
-    });
+    let drain = spawn_drain(&relay);
     // Completions are held: the round recording the first batch's stays in
     // flight, and the next batch is claimed and delivered beside it.
     outbox_api::testing::wait_until(
