@@ -1,10 +1,13 @@
 //! The model-based property test on the PostgreSQL backend, each case on a
 //! fresh schema, with the claim's floor stepping after every claim (so that
-//! every operation runs against a floor that moved as far as it may), and
-//! in about half the cases on `PgTenantPools` with a bulk pool, as a
-//! fleet's stores are: a claim is one statement, and a store whose last
-//! claim came back full (common at these batch sizes) claims and completes
-//! on the bulk pool.
+//! every operation runs against a floor that moved as far as it may), its
+//! store on one of three kinds of pool: a pool of its own (`PgStore::builder`,
+//! a claim is one statement); a pool of the application's (its connections
+//! keep their settings, so a claim is `BEGIN` with the claim's settings, the
+//! claim and `COMMIT`); or `PgTenantPools` with a bulk pool, as a fleet's
+//! stores are: a claim is one statement, and a store whose last claim came
+//! back full (common at these batch sizes) claims and completes on the bulk
+//! pool.
 
 mod model;
 
@@ -16,7 +19,7 @@ proptest! {
     #[test]
     fn relay_keeps_its_guarantees_on_postgres(
         batch_size in 1usize..6,
-        tenant_pools in any::<bool>(),
+        pool in 0u8..3,
         ops in model::ops(),
     ) {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
@@ -25,12 +28,15 @@ proptest! {
             let adjust = |b: outbox_postgres::PgStoreBuilder| {
                 b.claim_floor_step(std::time::Duration::ZERO)
             };
-            let sut = if tenant_pools {
-                PgUnderTest::fresh_on_tenant_pools(Some(clock.clone()), adjust).await
-            } else {
-                PgUnderTest::fresh_with(Some(clock.clone()), adjust).await
+            let (sut, one_statement) = match pool {
+                0 => (PgUnderTest::fresh_with(Some(clock.clone()), adjust).await, true),
+                1 => (
+                    PgUnderTest::fresh_on_application_pool_with(Some(clock.clone()), adjust).await,
+                    false,
+                ),
+                _ => (PgUnderTest::fresh_on_tenant_pools(Some(clock.clone()), adjust).await, true),
             };
-            assert_eq!(sut.pg().claims_in_one_statement(), tenant_pools);
+            assert_eq!(sut.pg().claims_in_one_statement(), one_statement);
             model::run_case(Box::new(sut), clock, batch_size, ops).await;
         });
     }

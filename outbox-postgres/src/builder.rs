@@ -279,6 +279,11 @@ impl PgStoreBuilder {
                 } else {
                     options
                 };
+                // The pool is the store's alone: its connections carry the
+                // claim's settings for their session, so a claim is one
+                // statement (docs/decisions.md, "claims in one statement
+                // where the session allows it").
+                let options = crate::claim_sql::with_claim_settings(options);
                 let pool = PgPoolOptions::new()
                     .max_connections(self.max_connections)
                     .acquire_timeout(self.connect_timeout)
@@ -319,6 +324,13 @@ impl PgStore {
     }
 
     /// A builder for the database at `url`: names, clock, pool size, wake-up.
+    ///
+    /// The store opens a pool of its own, whose connections run under the
+    /// claim's settings for their whole session (`lock_timeout = 10s`; no
+    /// sort, bitmap or sequential scan; generic plans; no JIT), after any
+    /// options the URL gives: a claim is one statement, its own
+    /// transaction. Statements of the application belong on a pool of its
+    /// own, not on [`PgStore::pool`].
     pub fn builder(url: impl Into<String>) -> PgStoreBuilder {
         Self::builder_from(Source::Url(url.into()))
     }

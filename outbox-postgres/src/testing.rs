@@ -100,31 +100,37 @@ impl PgUnderTest {
         clock: Option<Arc<dyn Clock>>,
         adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
     ) -> Self {
-        Self::fresh_at(clock, "", adjust).await
+        Self::fresh_from(clock, |tagged, _| PgStore::builder(tagged), adjust).await
     }
 
-    /// [`fresh`](Self::fresh), the store's connections having the claim's
-    /// settings for their whole session, as [`PgTenantPools`](crate::PgTenantPools)'
-    /// connections do: its claims run as one statement each.
-    pub async fn fresh_claiming_in_session() -> Self {
-        Self::fresh_claiming_in_session_with(None, |b| b).await
+    /// [`fresh`](Self::fresh), the store on a pool of the application's
+    /// (`PgStore::builder_with_pool`), whose connections keep their own
+    /// settings: its claims are `BEGIN` with the claim's settings, the
+    /// claim and `COMMIT`. (A store that opens its own pool, as `fresh`'s
+    /// does, claims in one statement.)
+    pub async fn fresh_on_application_pool() -> Self {
+        Self::fresh_on_application_pool_with(None, |b| b).await
     }
 
-    /// [`fresh_claiming_in_session`](Self::fresh_claiming_in_session) with
-    /// a clock and the builder adjusted, as [`fresh_with`](Self::fresh_with).
-    pub async fn fresh_claiming_in_session_with(
+    /// [`fresh_on_application_pool`](Self::fresh_on_application_pool)
+    /// with a clock and the builder adjusted, as
+    /// [`fresh_with`](Self::fresh_with).
+    pub async fn fresh_on_application_pool_with(
         clock: Option<Arc<dyn Clock>>,
         adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
     ) -> Self {
-        let settings = crate::claim_sql::with_claim_settings(
-            sqlx::postgres::PgConnectOptions::new_without_pgpass(),
-        );
-        let rendered = settings.get_options().unwrap_or_default();
-        let param = format!(
-            "&options={}",
-            rendered.replace(' ', "%20").replace('=', "%3D")
-        );
-        Self::fresh_at(clock, &param, adjust).await
+        Self::fresh_from(
+            clock,
+            |tagged, _| {
+                let pool = PgPoolOptions::new()
+                    .max_connections(4)
+                    .connect_lazy(tagged)
+                    .expect("the test database's URL");
+                PgStore::builder_with_pool(pool)
+            },
+            adjust,
+        )
+        .await
     }
 
     /// [`fresh`](Self::fresh), the store made by
@@ -147,20 +153,6 @@ impl PgUnderTest {
                     .expect("tenant pools")
                     .builder(schema)
             },
-            adjust,
-        )
-        .await
-    }
-
-    /// The fixture, `params` (`&name=value…`) added to its store's URL.
-    async fn fresh_at(
-        clock: Option<Arc<dyn Clock>>,
-        params: &str,
-        adjust: impl FnOnce(PgStoreBuilder) -> PgStoreBuilder,
-    ) -> Self {
-        Self::fresh_from(
-            clock,
-            |tagged, _| PgStore::builder(format!("{tagged}{params}")),
             adjust,
         )
         .await
