@@ -10,18 +10,15 @@
 # (300), STORE (postgres, or sqlite: a file per module in a fresh
 # directory), PG, AMQP (as saga-figures.sh).
 set -u
-BIN=${BIN:-target/release/minishop}
+. "$(dirname "$0")/common.sh"
 ORDERS=${ORDERS:-3000}
 RATE=${RATE:-300}
 STORE=${STORE:-postgres}
-PG=${PG:-postgres://postgres@127.0.0.1:5432/test}
-AMQP=${AMQP:-amqp://guest:guest@127.0.0.1:5672/%2f}
 case "$STORE" in
   postgres) store_args=(--postgres "$PG") ;;
   sqlite) store_args=() ;;
   *) echo "STORE must be postgres or sqlite, not \`$STORE\`"; exit 2 ;;
 esac
-[ -x "$BIN" ] || { echo "no minishop binary at $BIN: cargo build --release -p minishop"; exit 2; }
 beam=$(pgrep -f beam.smp | head -1)
 [ -n "$beam" ] || { echo "no RabbitMQ broker (beam.smp) running: rabbitmq-server -detached"; exit 2; }
 tick=$(getconf CLK_TCK)

@@ -12,12 +12,9 @@
 # AMQP (default amqp://guest:guest@127.0.0.1:5672/%2f), ONLY (a substring of
 # the configuration names to run, e.g. "postgres+rabbitmq").
 set -u
-BIN=${BIN:-target/release/minishop}
+. "$(dirname "$0")/common.sh"
 ORDERS=${ORDERS:-3000}
-PG=${PG:-postgres://postgres@127.0.0.1:5432/test}
-AMQP=${AMQP:-amqp://guest:guest@127.0.0.1:5672/%2f}
 ONLY=${ONLY:-}
-[ -x "$BIN" ] || { echo "no minishop binary at $BIN: cargo build --release -p minishop"; exit 2; }
 
 wal_syncs() { psql "$PG" -Atc "select wal_sync from pg_stat_wal" 2>/dev/null; }
 

@@ -11,12 +11,9 @@
 # Environment: BIN (default target/release/minishop), ORDERS (1000), RATE
 # (100), PG, AMQP (as saga-figures.sh).
 set -u
-BIN=${BIN:-target/release/minishop}
+. "$(dirname "$0")/common.sh"
 ORDERS=${ORDERS:-1000}
 RATE=${RATE:-100}
-PG=${PG:-postgres://postgres@127.0.0.1:5432/test}
-AMQP=${AMQP:-amqp://guest:guest@127.0.0.1:5672/%2f}
-[ -x "$BIN" ] || { echo "no minishop binary at $BIN: cargo build --release -p minishop"; exit 2; }
 RUN=stages$(date +%s)$$
 
 cleanup() {
