@@ -89,7 +89,9 @@ impl Relay {
                     .into()
             }
         };
-        span.record("outcome", outcome.name());
+        if !span.is_disabled() {
+            span.record("outcome", outcome.name());
+        }
         outcome
     }
 
@@ -146,7 +148,9 @@ impl Relay {
                     }
                     Outcome::Unavailable(e) => DeliveryOutcome::TransportUnavailable(e),
                 };
-                span.record("outcome", r.name());
+                if !span.is_disabled() {
+                    span.record("outcome", r.name());
+                }
                 r
             })
             .collect()
