@@ -55,6 +55,12 @@ pub mod postgres {
     pub use outbox_postgres::*;
 }
 
+/// The MySQL/MariaDB backend (feature `mysql`).
+#[cfg(feature = "mysql")]
+pub mod mysql {
+    pub use outbox_mysql::*;
+}
+
 /// The RabbitMQ transport (feature `rabbitmq`).
 #[cfg(feature = "rabbitmq")]
 pub mod rabbitmq {
