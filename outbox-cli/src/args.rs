@@ -39,15 +39,16 @@ impl std::fmt::Debug for DatabaseUrl {
     name = "outbox",
     version,
     about = "Inspect and repair an outbox-rs outbox table",
-    long_about = "Inspect and repair an outbox-rs outbox table in an existing SQLite or \
-        PostgreSQL database.\n\n\
+    long_about = "Inspect and repair an outbox-rs outbox table in an existing SQLite, \
+        PostgreSQL or MySQL/MariaDB database.\n\n\
         Exit codes: 0 success, 1 the command failed (missing database, schema or table, \
         unknown message, wrong state), 2 usage error. `health`: 0 healthy, 1 degraded, \
         2 unhealthy."
 )]
 pub struct Cli {
-    /// The database: `sqlite:PATH` or `postgres://user:password@host:port/db`
-    /// (also `postgresql://`). Never created or migrated; a password is
+    /// The database: `sqlite:PATH`, `postgres://user:password@host:port/db`
+    /// (also `postgresql://`) or `mysql://user:password@host:port/db` (also
+    /// `mariadb://`). Never created or migrated; a password is
     /// never printed.
     #[arg(
         long,

@@ -1,6 +1,7 @@
 //! `outbox`: the operator's command line for outbox-rs tables.
 //!
-//! It inspects an outbox table of an existing SQLite or PostgreSQL database
+//! It inspects an outbox table of an existing SQLite, PostgreSQL or
+//! MySQL/MariaDB database
 //! and does what a human does with one: count, list and show messages,
 //! retry or discard poisoned ones, purge delivered ones, and answer a
 //! health probe.
@@ -8,6 +9,7 @@
 //! ```text
 //! outbox --database sqlite:app.db [--table outbox] [--json] <command>
 //! outbox --database postgres://user@host/db [--schema public] [--table outbox] [--json] <command>
+//! outbox --database mysql://user@host/db [--table outbox] [--json] <command>
 //!   stats                                  counts and the oldest pending age
 //!   list [--state S] [--type T] [--limit N]
 //!   show ID
@@ -33,8 +35,8 @@
 //!   unreadable or has no such schema or outbox table, the message does not
 //!   exist, or it is in a state the action does not apply to.
 //! * `2` — usage error: unknown option or subcommand, malformed id, unknown
-//!   state, bad duration, a `--database` that is neither `sqlite:PATH` nor
-//!   `postgres://…`, an invalid schema or table name.
+//!   state, bad duration, a `--database` that is not `sqlite:PATH`,
+//!   `postgres://…` or `mysql://…`, an invalid schema or table name.
 //! * `health` has its own: `0` healthy, `1` degraded, `2` unhealthy (the
 //!   outbox cannot be read — or the probe itself is misconfigured).
 //!
@@ -196,8 +198,8 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
         json,
         command,
     } = cli;
-    const NO_DATABASE: &str = "no database given: pass --database sqlite:PATH or \
-         --database postgres://USER@HOST/DB, or set OUTBOX_DATABASE";
+    const NO_DATABASE: &str = "no database given: pass --database sqlite:PATH, \
+         --database postgres://USER@HOST/DB or --database mysql://USER@HOST/DB, or set OUTBOX_DATABASE";
     let target = match &database {
         Some(url) => db::Target::parse(&url.0, schema.as_deref(), &table),
         None => Err(CliError::usage(NO_DATABASE)),
@@ -243,11 +245,16 @@ async fn run(cli: Cli) -> Result<Output, CliError> {
                 ));
             }
             let target = target?;
-            if matches!(target, db::Target::Sqlite { .. }) {
-                return Err(CliError::usage(
-                    "serve --matching applies to PostgreSQL only (it picks schemas); a SQLite \
-                     database has one outbox per --table",
-                ));
+            let one = match target {
+                db::Target::Sqlite { .. } => Some("a SQLite"),
+                db::Target::MySql { .. } => Some("a MySQL/MariaDB"),
+                db::Target::Postgres { .. } => None,
+            };
+            if let Some(what) = one {
+                return Err(CliError::usage(format!(
+                    "serve --matching applies to PostgreSQL only (it picks schemas); {what} \
+                     database has one outbox per --table"
+                )));
             }
             args.log_format.install();
             let found = db::open_all(&target, Some(matching)).await?;

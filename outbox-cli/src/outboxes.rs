@@ -40,7 +40,9 @@ pub async fn outboxes(
     let rows = read_all(&found.outboxes, args.alert.backlog_alert).await;
     let now = Timestamp::now();
     let table = match target {
-        Target::Sqlite { table, .. } | Target::Postgres { table, .. } => table.as_str(),
+        Target::Sqlite { table, .. }
+        | Target::Postgres { table, .. }
+        | Target::MySql { table, .. } => table.as_str(),
     };
     let out = if json {
         as_json(&rows, table, args, now)

@@ -523,10 +523,10 @@ async fn bad_databases_are_errors_and_are_never_created_or_migrated() {
         "not an outbox table",
     );
 
-    // Malformed URLs: neither SQLite nor PostgreSQL, the password hidden.
+    // Malformed URLs: not SQLite, PostgreSQL or MySQL, the password hidden.
     let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
         .env_remove("OUTBOX_DATABASE")
-        .args(["--database", "mysql://u:secret@h/db", "stats"])
+        .args(["--database", "mssql://u:secret@h/db", "stats"])
         .output()
         .unwrap();
     assert_error(&out, 2, "sqlite:PATH");

@@ -481,10 +481,10 @@ async fn postgres_passwords_never_appear() {
     // A scheme the CLI does not speak: a usage error, the password hidden.
     let out = outbox_raw(&[
         "--database",
-        &format!("mysql://shop:{secret}@h/db"),
+        &format!("mssql://shop:{secret}@h/db"),
         "stats",
     ]);
-    assert_error(&out, 2, "mysql://shop:***@h/db");
+    assert_error(&out, 2, "mssql://shop:***@h/db");
     assert!(!stderr(&out).contains(secret));
 }
 

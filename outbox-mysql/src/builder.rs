@@ -27,14 +27,14 @@ pub const DEFAULT_POLL_IDLE: Duration = Duration::from_millis(200);
 
 /// Configures and connects a [`MySqlStore`]; see [`MySqlStore::builder`].
 pub struct MySqlStoreBuilder {
-    url: String,
-    table: String,
-    inbox_table: String,
-    clock: Arc<dyn Clock>,
-    max_connections: u32,
-    connect_timeout: Duration,
-    poll_fast: Duration,
-    poll_idle: Duration,
+    pub(crate) url: String,
+    pub(crate) table: String,
+    pub(crate) inbox_table: String,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) max_connections: u32,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) poll_fast: Duration,
+    pub(crate) poll_idle: Duration,
 }
 
 impl std::fmt::Debug for MySqlStoreBuilder {
@@ -128,34 +128,34 @@ impl MySqlStoreBuilder {
     /// store ([`validate_table_name`](outbox_api::backend::validate_table_name)):
     /// lower-case letters, digits and `_`, at most 48 characters. The
     /// store also creates `<table>_keys`, its per-key lock table.
-    pub fn with_table(mut self, name: impl Into<String>) -> Self {
+    pub fn table(mut self, name: impl Into<String>) -> Self {
         self.table = name.into();
         self
     }
 
     /// The inbox table's name (default `outbox_inbox`), validated like
-    /// [`with_table`](Self::with_table).
-    pub fn with_inbox_table(mut self, name: impl Into<String>) -> Self {
+    /// [`table`](Self::table).
+    pub fn inbox_table(mut self, name: impl Into<String>) -> Self {
         self.inbox_table = name.into();
         self
     }
 
     /// Where enqueue timestamps come from (default: the wall clock). Give it
     /// the relay's clock in tests that move time.
-    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
         self
     }
 
     /// How many connections the store opens at most (default 8).
-    pub fn with_max_connections(mut self, n: u32) -> Self {
+    pub fn max_connections(mut self, n: u32) -> Self {
         self.max_connections = n;
         self
     }
 
     /// How long connecting, or waiting for a free connection, may take
     /// before an `Unavailable` error (default 5 s).
-    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
     }
@@ -166,7 +166,7 @@ impl MySqlStoreBuilder {
     /// 200 ms). A commit in another process reaches a relay within `fast`
     /// (plus a claim) while messages flow and within `idle` after a quiet
     /// spell; in-process commits wake it at once either way.
-    pub fn with_poll_interval(mut self, fast: Duration, idle: Duration) -> Self {
+    pub fn poll_interval(mut self, fast: Duration, idle: Duration) -> Self {
         self.poll_fast = fast;
         self.poll_idle = idle;
         self
@@ -175,7 +175,7 @@ impl MySqlStoreBuilder {
     /// Validates the configuration, connects and checks the server (MariaDB
     /// 10.6+ or MySQL 8.0+). Does not create tables: call
     /// [`MySqlStore::migrate`].
-    pub async fn build(self) -> Result<MySqlStore> {
+    pub async fn connect(self) -> Result<MySqlStore> {
         let names = Names::new(&self.table, &self.inbox_table)?;
         for (field, value) in [
             ("poll_interval", self.poll_fast),
@@ -276,7 +276,7 @@ impl MySqlStore {
 
     /// Connects to the database at `url` with the default table names.
     pub async fn connect(url: &str) -> Result<MySqlStore> {
-        Self::builder(url).build().await
+        Self::builder(url).connect().await
     }
 }
 
@@ -316,8 +316,8 @@ mod tests {
             ("mysql://u:secretpw@h/db", "pg_x", "reserved"),
         ] {
             let e = MySqlStore::builder(url)
-                .with_table(table)
-                .build()
+                .table(table)
+                .connect()
                 .await
                 .unwrap_err();
             assert_eq!(e.kind(), ErrorKind::Config, "{e}");

@@ -5,6 +5,7 @@
 mod builder;
 mod claim;
 mod error;
+mod existing;
 mod inbox;
 mod listener;
 mod migrate;
@@ -21,6 +22,7 @@ pub use builder::{
     MySqlStoreBuilder, ServerVersion,
 };
 pub use error::error_kind;
+pub use existing::outbox_tables;
 pub use inbox::MySqlInbox;
 pub use listener::{HINT_WINDOW, MySqlWorkListener};
 pub use outbox::{BATCH_ROWS, MySqlEnqueue, MySqlOutbox};

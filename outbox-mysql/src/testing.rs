@@ -96,13 +96,13 @@ impl MySqlUnderTest {
         let url = database_url();
         let prefix = unique_prefix("t");
         let mut builder = MySqlStore::builder(&url)
-            .with_table(format!("{prefix}_outbox"))
-            .with_inbox_table(format!("{prefix}_inbox"));
+            .table(format!("{prefix}_outbox"))
+            .inbox_table(format!("{prefix}_inbox"));
         if let Some(clock) = clock {
-            builder = builder.with_clock(clock);
+            builder = builder.clock(clock);
         }
         let store = adjust(builder)
-            .build()
+            .connect()
             .await
             .unwrap_or_else(|e| panic!("connect to MySQL/MariaDB at {}: {e}", MYSQL.variable));
         store.migrate().await.expect("migrate");
@@ -151,10 +151,10 @@ impl MySqlUnderTest {
     /// it, as with a store in another process.
     pub async fn second_store(&self, connections: u32) -> MySqlStore {
         MySqlStore::builder(&self.url)
-            .with_table(self.store.table())
-            .with_inbox_table(self.store.inbox_table())
-            .with_max_connections(connections)
-            .build()
+            .table(self.store.table())
+            .inbox_table(self.store.inbox_table())
+            .max_connections(connections)
+            .connect()
             .await
             .expect("a second store on the same table")
     }

@@ -53,24 +53,27 @@ async fn someone_waits(pool: sqlx::MySqlPool) -> bool {
 #[tokio::test]
 async fn an_unreachable_server_and_a_missing_table_are_clear_errors() {
     let e = MySqlStore::builder("mysql://app:hunter2pw@127.0.0.1:1/shop")
-        .with_connect_timeout(Duration::from_secs(2))
-        .build()
+        .connect_timeout(Duration::from_secs(2))
+        .connect()
         .await
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
-    assert!(e.to_string().contains("mysql://app@127.0.0.1:1/shop"), "{e}");
+    assert!(
+        e.to_string().contains("mysql://app@127.0.0.1:1/shop"),
+        "{e}"
+    );
     assert!(!format!("{e} {e:?}").contains("hunter2pw"), "{e:?}");
 
     let e = MySqlStore::builder("mariadb://nobody@127.0.0.1:3306")
-        .with_table("Orders")
-        .build()
+        .table("Orders")
+        .connect()
         .await
         .unwrap_err();
     assert!(e.to_string().contains("`table`"), "{e}");
 
     let store = MySqlStore::builder(database_url())
-        .with_table(format!("{}_never_migrated", unique_prefix("t")))
-        .build()
+        .table(format!("{}_never_migrated", unique_prefix("t")))
+        .connect()
         .await
         .unwrap();
     let e = store.stats().await.unwrap_err();
@@ -98,9 +101,9 @@ async fn passwords_stay_out_of_debug_logs_and_errors() {
     let good = format!("mysql://{user}:{password}@{host}");
     let table = format!("{}_outbox", unique_prefix("t"));
     let store = MySqlStore::builder(&good)
-        .with_table(&table)
-        .with_inbox_table(format!("{table}_in"))
-        .build()
+        .table(&table)
+        .inbox_table(format!("{table}_in"))
+        .connect()
         .await
         .unwrap();
     store.migrate().await.unwrap();
@@ -109,8 +112,12 @@ async fn passwords_stay_out_of_debug_logs_and_errors() {
     tx.commit().await.unwrap();
     assert_eq!(store.claim(&claim("w", 10)).await.unwrap().len(), 1);
     let wrong = format!("mysql://{user}:{password}-wrong@{host}");
-    let e = MySqlStore::builder(&wrong).build().await.unwrap_err();
-    assert_eq!(e.kind(), ErrorKind::Config, "access denied is configuration: {e}");
+    let e = MySqlStore::builder(&wrong).connect().await.unwrap_err();
+    assert_eq!(
+        e.kind(),
+        ErrorKind::Config,
+        "access denied is configuration: {e}"
+    );
     let everything = format!(
         "{store:?} {:?} {:?} {e} {e:?} {}",
         MySqlStore::builder(&good),
@@ -118,7 +125,10 @@ async fn passwords_stay_out_of_debug_logs_and_errors() {
         logs.text()
     );
     assert!(!everything.contains(password), "{everything}");
-    assert!(everything.contains(&user), "the user is named: {everything}");
+    assert!(
+        everything.contains(&user),
+        "the user is named: {everything}"
+    );
     sqlx::raw_sql(AssertSqlSafe(format!(
         "DROP TABLE `{table}`, `{table}_keys`, `{table}_in`; \
          DROP USER '{user}'@'%'; DROP USER '{user}'@'localhost'"
@@ -152,7 +162,10 @@ async fn several_stores_claiming_at_once_never_hand_out_one_message_twice() {
                 for m in batch {
                     got.push((clock.fetch_add(1, std::sync::atomic::Ordering::SeqCst), m));
                 }
-                store.complete(&ids, outbox_api::Timestamp::now()).await.unwrap();
+                store
+                    .complete(&ids, outbox_api::Timestamp::now())
+                    .await
+                    .unwrap();
             }
         }));
     }
@@ -162,7 +175,12 @@ async fn several_stores_claiming_at_once_never_hand_out_one_message_twice() {
         for (tick, m) in t.await.unwrap() {
             assert!(seen.insert(m.id), "message {} claimed twice", m.id);
             if m.key.as_deref() == Some("k0") {
-                k0.push((tick, String::from_utf8_lossy(&m.payload).parse::<usize>().unwrap()));
+                k0.push((
+                    tick,
+                    String::from_utf8_lossy(&m.payload)
+                        .parse::<usize>()
+                        .unwrap(),
+                ));
             }
         }
     }
@@ -180,7 +198,10 @@ async fn claims_and_enqueues_do_not_wait_for_each_other() {
     let f = MySqlUnderTest::fresh(None).await;
     let outbox = f.mysql().outbox();
     let mut tx = f.pool().begin().await.unwrap();
-    outbox.enqueue_many(&mut tx, (0..20).map(msg).collect()).await.unwrap();
+    outbox
+        .enqueue_many(&mut tx, (0..20).map(msg).collect())
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
     // An application transaction (REPEATABLE READ, the default) holds an
@@ -222,7 +243,10 @@ async fn claims_and_enqueues_do_not_wait_for_each_other() {
         .await
         .expect("an enqueue beside a READ COMMITTED claim does not wait");
     w.commit().await.unwrap();
-    sqlx::raw_sql("ROLLBACK").execute(&mut claimer).await.unwrap();
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut claimer)
+        .await
+        .unwrap();
 
     // The same read at REPEATABLE READ locks the gaps it scanned, and the
     // enqueue waits for it until its lock wait times out (1205): what the
@@ -240,7 +264,10 @@ async fn claims_and_enqueues_do_not_wait_for_each_other() {
     assert_eq!(e.kind(), ErrorKind::Unavailable, "a lock wait timeout: {e}");
     assert!(format!("{e:?}").contains("1205"), "{e:?}");
     w.rollback().await.unwrap();
-    sqlx::raw_sql("ROLLBACK").execute(&mut claimer).await.unwrap();
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut claimer)
+        .await
+        .unwrap();
     open.rollback().await.unwrap();
 }
 
@@ -259,9 +286,11 @@ async fn a_keys_second_enqueue_waits_for_the_first_so_seq_order_is_commit_order(
         tx.commit().await.unwrap();
     });
     let watcher = f.mysql().pool().clone();
-    wait_until("the second enqueue waits for the key's lock", DEADLINE, || {
-        someone_waits(watcher.clone())
-    })
+    wait_until(
+        "the second enqueue waits for the key's lock",
+        DEADLINE,
+        || someone_waits(watcher.clone()),
+    )
     .await;
     // Keyless enqueues and other keys go on meanwhile, and claims too.
     let mut other = f.pool().begin().await.unwrap();
@@ -281,7 +310,10 @@ async fn a_keys_second_enqueue_waits_for_the_first_so_seq_order_is_commit_order(
     );
     let now = outbox_api::Timestamp::now();
     f.mysql().complete(&[batch[0].id], now).await.unwrap();
-    assert_eq!(payloads(&f.mysql().claim(&claim("w2", 10)).await.unwrap()), ["2"]);
+    assert_eq!(
+        payloads(&f.mysql().claim(&claim("w2", 10)).await.unwrap()),
+        ["2"]
+    );
 }
 
 #[tokio::test]
@@ -298,10 +330,12 @@ async fn a_row_committed_below_a_leased_message_of_its_key_waits_for_it() {
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    sqlx::query(AssertSqlSafe(format!("DELETE FROM `{table}` WHERE `key` IS NULL")))
-        .execute(f.pool())
-        .await
-        .unwrap();
+    sqlx::query(AssertSqlSafe(format!(
+        "DELETE FROM `{table}` WHERE `key` IS NULL"
+    )))
+    .execute(f.pool())
+    .await
+    .unwrap();
     let leased = f.mysql().claim(&claim("w1", 10)).await.unwrap();
     assert_eq!(payloads(&leased), ["1"]);
     let min_seq: i64 = sqlx::query_scalar(AssertSqlSafe(format!("SELECT MIN(seq) FROM `{table}`")))
@@ -324,7 +358,11 @@ async fn a_row_committed_below_a_leased_message_of_its_key_waits_for_it() {
         "the late row waits while k's later message is leased"
     );
     f.mysql()
-        .release(&Release::new("w1", vec![leased[0].id], outbox_api::Timestamp::now()))
+        .release(&Release::new(
+            "w1",
+            vec![leased[0].id],
+            outbox_api::Timestamp::now(),
+        ))
         .await
         .unwrap();
     assert_eq!(
@@ -338,16 +376,16 @@ async fn a_row_committed_below_a_leased_message_of_its_key_waits_for_it() {
 async fn a_commit_wakes_this_process_at_once_and_another_by_its_poll() {
     // Polls too slow to matter: only the commit watcher can wake `local`.
     let f = MySqlUnderTest::fresh_with(None, |b| {
-        b.with_poll_interval(Duration::from_secs(60), Duration::from_secs(60))
+        b.poll_interval(Duration::from_secs(60), Duration::from_secs(60))
     })
     .await;
     let mut local = f.mysql().listen();
     while local.wait(Duration::from_millis(1)).await {}
     let other = MySqlStore::builder(f.url())
-        .with_table(f.mysql().table())
-        .with_inbox_table(f.mysql().inbox_table())
-        .with_poll_interval(Duration::from_millis(5), Duration::from_millis(50))
-        .build()
+        .table(f.mysql().table())
+        .inbox_table(f.mysql().inbox_table())
+        .poll_interval(Duration::from_millis(5), Duration::from_millis(50))
+        .connect()
         .await
         .unwrap();
     let mut remote = other.listen();
@@ -362,7 +400,10 @@ async fn a_commit_wakes_this_process_at_once_and_another_by_its_poll() {
     );
     tx.commit().await.unwrap();
     let started = tokio::time::Instant::now();
-    assert!(local.wait(Duration::from_secs(30)).await, "the commit wakes");
+    assert!(
+        local.wait(Duration::from_secs(30)).await,
+        "the commit wakes"
+    );
     assert!(
         started.elapsed() < Duration::from_secs(5),
         "by the watcher, not the 60 s poll: {:?}",
@@ -405,5 +446,88 @@ async fn a_claim_beside_one_holding_a_keys_first_message_does_not_take_its_secon
         "k's second message is not leased while its first is held by another claim"
     );
     sqlx::raw_sql("ROLLBACK").execute(&mut other).await.unwrap();
-    assert_eq!(payloads(&f.mysql().claim(&claim("w", 10)).await.unwrap()), ["1", "2"]);
+    assert_eq!(
+        payloads(&f.mysql().claim(&claim("w", 10)).await.unwrap()),
+        ["1", "2"]
+    );
+}
+
+#[tokio::test]
+async fn connecting_to_an_existing_outbox_creates_nothing_and_names_what_is_wrong() {
+    let sut = MySqlUnderTest::fresh(None).await;
+    let url = database_url();
+    let table = sut.mysql().table().to_owned();
+
+    let store = MySqlStore::builder(&url)
+        .table(&table)
+        .connect_existing()
+        .await
+        .unwrap();
+    assert_eq!(store.stats().await.unwrap().pending, 0);
+
+    let missing = format!("{}_typo", sut.prefix());
+    let e = MySqlStore::builder(&url)
+        .table(&missing)
+        .connect_existing()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::NotFound, "{e}");
+    assert!(
+        e.to_string()
+            .contains(&format!("no outbox table `{missing}`")),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(&table),
+        "names the outboxes there are: {e}"
+    );
+    let exists: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.tables WHERE table_schema = DATABASE() AND table_name LIKE ?",
+    )
+    .bind(format!("{missing}%"))
+    .fetch_one(sut.pool())
+    .await
+    .unwrap();
+    assert_eq!(exists, 0, "connect_existing created nothing");
+
+    let other = format!("{}_plain", sut.prefix());
+    let view = format!("{}_view", sut.prefix());
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "CREATE TABLE `{other}` (id INT PRIMARY KEY, payload BLOB); \
+         CREATE VIEW `{view}` AS SELECT * FROM `{table}`"
+    )))
+    .execute(sut.pool())
+    .await
+    .unwrap();
+    let e = MySqlStore::builder(&url)
+        .table(&other)
+        .connect_existing()
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("is not an outbox table"), "{e}");
+    assert!(
+        e.to_string().contains("message_type"),
+        "names a missing column: {e}"
+    );
+    let e = MySqlStore::builder(&url)
+        .table(&view)
+        .connect_existing()
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("is not a table (a view)"), "{e}");
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP VIEW `{view}`; DROP TABLE `{other}`"
+    )))
+    .execute(sut.pool())
+    .await
+    .unwrap();
+
+    let no_database = url.rsplit_once('/').unwrap().0.to_owned();
+    let e = MySqlStore::builder(&no_database)
+        .table(&table)
+        .connect_existing()
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("names no database"), "{e}");
 }

@@ -5,6 +5,7 @@
 //! `OperatorStore` trait object. [`open_all`] finds and opens the outboxes
 //! of many schemas at once, over one pool.
 
+mod mysql;
 mod postgres;
 mod sqlite;
 
@@ -13,6 +14,7 @@ use std::sync::Arc;
 
 use outbox_api::OperatorStore;
 use outbox_api::backend::{redact_url, some_names};
+use outbox_mysql::MySqlStore;
 use outbox_postgres::PgStore;
 use outbox_postgres::sqlx::PgPool;
 
@@ -39,6 +41,13 @@ pub enum Target {
         /// The outbox table.
         table: String,
     },
+    /// A table in a MySQL/MariaDB database (the URL names the database).
+    MySql {
+        /// The connection URL, password included (never shown: see `Debug`).
+        url: String,
+        /// The outbox table.
+        table: String,
+    },
 }
 
 impl std::fmt::Debug for Target {
@@ -55,21 +64,30 @@ impl std::fmt::Debug for Target {
                 .field("schema", schema)
                 .field("table", table)
                 .finish(),
+            Target::MySql { url, table } => f
+                .debug_struct("MySql")
+                .field("url", &redact_url(url))
+                .field("table", table)
+                .finish(),
         }
     }
 }
 
 impl Target {
-    /// Reads `--database` (`sqlite:PATH`, `postgres://…`, `postgresql://…`)
-    /// with `--schema` (PostgreSQL only; default `public`) and `--table`.
+    /// Reads `--database` (`sqlite:PATH`, `postgres://…`, `postgresql://…`,
+    /// `mysql://…`, `mariadb://…`) with `--schema` (PostgreSQL only; default
+    /// `public`) and `--table`.
     pub fn parse(url: &str, schema: Option<&str>, table: &str) -> Result<Target, CliError> {
+        let no_schema = |what: &str| {
+            CliError::usage(format!(
+                "--schema `{}` applies to PostgreSQL only; {what} \
+                 (unset --schema / OUTBOX_SCHEMA)",
+                schema.unwrap_or_default().escape_debug()
+            ))
+        };
         if let Some(rest) = url.strip_prefix("sqlite:") {
-            if let Some(schema) = schema {
-                return Err(CliError::usage(format!(
-                    "--schema `{}` applies to PostgreSQL only; a SQLite database has no schemas \
-                     (unset --schema / OUTBOX_SCHEMA)",
-                    schema.escape_debug()
-                )));
+            if schema.is_some() {
+                return Err(no_schema("a SQLite database has no schemas"));
             }
             return Ok(Target::Sqlite {
                 path: sqlite::parse_path(url, rest)?,
@@ -83,8 +101,20 @@ impl Target {
                 table: table.to_owned(),
             });
         }
+        if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+            if schema.is_some() {
+                return Err(no_schema(
+                    "on MySQL/MariaDB the URL names the database (mysql://USER@HOST/DATABASE)",
+                ));
+            }
+            return Ok(Target::MySql {
+                url: url.to_owned(),
+                table: table.to_owned(),
+            });
+        }
         Err(CliError::usage(format!(
-            "database `{}` is neither a `sqlite:PATH` nor a `postgres://USER@HOST/DB` URL",
+            "database `{}` is not a `sqlite:PATH`, `postgres://USER@HOST/DB` or \
+             `mysql://USER@HOST/DB` URL",
             redact_url(url).escape_debug()
         )))
     }
@@ -101,6 +131,7 @@ pub struct Outbox {
 enum Backend {
     Sqlite,
     Postgres(PgStore),
+    MySql(MySqlStore),
 }
 
 impl Outbox {
@@ -134,11 +165,13 @@ impl Outbox {
         &self.name
     }
 
-    /// Closes the store's connections (PostgreSQL: politely, so the server
-    /// logs no broken connection).
+    /// Closes the store's connections (PostgreSQL, MySQL: politely, so the
+    /// server logs no broken connection).
     pub async fn close(self) {
-        if let Backend::Postgres(pg) = &self.backend {
-            pg.pool().close().await;
+        match &self.backend {
+            Backend::Sqlite => {}
+            Backend::Postgres(pg) => pg.pool().close().await,
+            Backend::MySql(my) => my.pool().close().await,
         }
     }
 }
@@ -161,6 +194,14 @@ pub async fn open(target: &Target) -> Result<Outbox, CliError> {
                 name: format!("{}.{}", store.schema(), store.table()),
                 store: Arc::new(store.clone()),
                 backend: Backend::Postgres(store),
+            })
+        }
+        Target::MySql { url, table } => {
+            let store = mysql::open(url, table).await?;
+            Ok(Outbox {
+                name: store.table().to_owned(),
+                store: Arc::new(store.clone()),
+                backend: Backend::MySql(store),
             })
         }
     }
@@ -186,7 +227,8 @@ pub struct Entry {
 }
 
 enum Closing {
-    Sqlite(Outbox),
+    /// The one outbox of a SQLite file or a MySQL database.
+    One(Outbox),
     Postgres(PgPool),
 }
 
@@ -195,14 +237,14 @@ impl Found {
     pub fn pool(&self) -> Option<&PgPool> {
         match &self.closing {
             Closing::Postgres(pool) => Some(pool),
-            Closing::Sqlite(_) => None,
+            Closing::One(_) => None,
         }
     }
 
     /// Closes the connections (PostgreSQL: politely, the one shared pool).
     pub async fn close(self) {
         match self.closing {
-            Closing::Sqlite(outbox) => outbox.close().await,
+            Closing::One(outbox) => outbox.close().await,
             Closing::Postgres(pool) => pool.close().await,
         }
     }
@@ -216,14 +258,17 @@ impl Found {
 /// error naming what there is.
 pub async fn open_all(target: &Target, matching: Option<&Glob>) -> Result<Found, CliError> {
     match target {
-        Target::Sqlite { path, table } => {
+        Target::Sqlite { table, .. } | Target::MySql { table, .. } => {
             let outbox = open(target).await?;
             if let Some(glob) = matching.filter(|g| !g.matches(table)) {
                 outbox.close().await;
+                let (what, where_) = match target {
+                    Target::Sqlite { path, .. } => ("SQLite", format!("`{}`", path.display())),
+                    _ => ("MySQL/MariaDB", "the database".to_owned()),
+                };
                 return Err(CliError::failed(format!(
-                    "the outbox table `{table}` of `{}` does not match `{glob}` (a SQLite \
-                     database has one outbox per --table)",
-                    path.display()
+                    "the outbox table `{table}` of {where_} does not match `{glob}` (a {what} \
+                     database has one outbox per --table)"
                 )));
             }
             Ok(Found {
@@ -231,7 +276,7 @@ pub async fn open_all(target: &Target, matching: Option<&Glob>) -> Result<Found,
                     name: table.clone(),
                     store: Ok(outbox.shared_store()),
                 }],
-                closing: Closing::Sqlite(outbox),
+                closing: Closing::One(outbox),
             })
         }
         Target::Postgres { url, table, .. } => {
@@ -347,7 +392,7 @@ mod tests {
         assert_eq!(sqlite_path("sqlite:a.db"), PathBuf::from("a.db"));
         assert_eq!(sqlite_path("sqlite://a.db"), PathBuf::from("a.db"));
         assert_eq!(sqlite_path("sqlite:///x/a.db"), PathBuf::from("/x/a.db"));
-        for bad in ["a.db", "mysql://h/db", "sqlite:", "sqlite::memory:"] {
+        for bad in ["a.db", "mssql://h/db", "sqlite:", "sqlite::memory:"] {
             assert!(Target::parse(bad, None, "outbox").is_err(), "{bad}");
         }
         for pg in ["postgres://u@h/db", "postgresql://u:pw@h:5433/db"] {
@@ -367,13 +412,30 @@ mod tests {
         }
         let e = Target::parse("sqlite:a.db", Some("shop"), "outbox").unwrap_err();
         assert!(e.message.contains("--schema"), "{}", e.message);
+        for my in ["mysql://u@h/db", "mariadb://u:pw@h:3307/db"] {
+            match Target::parse(my, None, "t").unwrap() {
+                Target::MySql { url, table } => {
+                    assert_eq!((url.as_str(), table.as_str()), (my, "t"))
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let e = Target::parse("mysql://u@h/db", Some("shop"), "outbox").unwrap_err();
+        assert!(
+            e.message.contains("the URL names the database"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
     fn passwords_are_never_shown() {
-        let e = Target::parse("mysql://u:s3cret@h/db", None, "outbox").unwrap_err();
+        let e = Target::parse("mssql://u:s3cret@h/db", None, "outbox").unwrap_err();
         assert!(!e.message.contains("s3cret"), "{}", e.message);
-        assert!(e.message.contains("mysql://u:***@h/db"), "{}", e.message);
+        assert!(e.message.contains("mssql://u:***@h/db"), "{}", e.message);
+        let t = Target::parse("mysql://u:s3cret@h/db", None, "outbox").unwrap();
+        let shown = format!("{t:?}");
+        assert!(!shown.contains("s3cret"), "{shown}");
         let t = Target::parse("postgres://u:s3cret@h/db", None, "outbox").unwrap();
         let shown = format!("{t:?}");
         assert!(!shown.contains("s3cret"), "{shown}");
