@@ -108,7 +108,7 @@ impl MySqlStore {
     }
 
     /// The server the store is connected to, as checked at
-    /// [`build`](crate::MySqlStoreBuilder::build).
+    /// [`connect`](crate::MySqlStoreBuilder::connect).
     pub fn server(&self) -> &ServerVersion {
         &self.inner.server
     }
