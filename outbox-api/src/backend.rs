@@ -21,8 +21,8 @@
 
 pub use crate::error::redact_url;
 pub use crate::names::{
-    MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN, MIGRATIONS_TABLE, some_names, validate_schema_name,
-    validate_table_name,
+    MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN, MIGRATIONS_TABLE, some_names, unused_inbox_table,
+    validate_schema_name, validate_table_name,
 };
 pub use crate::purge::{purge_in_batches, rest_after};
 pub use crate::row::{

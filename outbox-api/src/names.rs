@@ -30,6 +30,19 @@ pub fn validate_table_name(field: &str, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The inbox table name a store opened only to read its outbox (an
+/// operator's `connect_existing`) is given when the configured one equals
+/// `table`: the store never touches its inbox, but its names must differ.
+/// `outbox_inbox` (every store's default inbox), or `outbox` when `table`
+/// is that; neither ends in `_keys`, which MySQL's key-lock table takes.
+pub fn unused_inbox_table(table: &str) -> &'static str {
+    if table == "outbox_inbox" {
+        "outbox"
+    } else {
+        "outbox_inbox"
+    }
+}
+
 /// Checks a PostgreSQL schema name by the same rules, at most
 /// [`MAX_SCHEMA_NAME_LEN`] bytes, not `information_schema`.
 pub fn validate_schema_name(field: &str, name: &str) -> Result<()> {

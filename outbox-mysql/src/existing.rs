@@ -8,7 +8,6 @@ use outbox_api::{Error, ErrorKind, Result};
 use sqlx::MySqlPool;
 
 use crate::error::error_kind;
-use crate::schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE};
 use crate::{MySqlStore, MySqlStoreBuilder};
 
 /// How many names an error lists before `and N more`.
@@ -27,13 +26,7 @@ impl MySqlStoreBuilder {
     /// checked.
     pub async fn connect_existing(mut self) -> Result<MySqlStore> {
         if self.inbox_table == self.table {
-            // Never used here; the names must only differ.
-            self.inbox_table = if self.table == DEFAULT_INBOX_TABLE {
-                DEFAULT_OUTBOX_TABLE
-            } else {
-                DEFAULT_INBOX_TABLE
-            }
-            .to_owned();
+            self.inbox_table = outbox_api::backend::unused_inbox_table(&self.table).to_owned();
         }
         let table = self.table.clone();
         let store = self.connect().await?;

@@ -8,7 +8,6 @@ use outbox_api::{Error, ErrorKind, Result};
 use sqlx::PgPool;
 
 use crate::error::error_kind;
-use crate::schema::{DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE};
 use crate::{PgStore, PgStoreBuilder};
 
 impl PgStoreBuilder {
@@ -23,13 +22,7 @@ impl PgStoreBuilder {
     /// inbox table is not needed and not checked.
     pub async fn connect_existing(mut self) -> Result<PgStore> {
         if self.inbox_table == self.table {
-            // Never used here; the names must only differ.
-            self.inbox_table = if self.table == DEFAULT_INBOX_TABLE {
-                DEFAULT_OUTBOX_TABLE
-            } else {
-                DEFAULT_INBOX_TABLE
-            }
-            .to_owned();
+            self.inbox_table = outbox_api::backend::unused_inbox_table(&self.table).to_owned();
         }
         let (schema, table) = (self.schema.clone(), self.table.clone());
         let store = self.connect().await?;

@@ -33,13 +33,7 @@ impl SqliteStoreBuilder {
             .map_err(|e| Error::backend(format!("checking the database failed: {e}")))??;
         self.path = path;
         if self.inbox_table == self.table {
-            // Never used here; the names must only differ.
-            self.inbox_table = if self.table == schema::DEFAULT_OUTBOX_TABLE {
-                schema::DEFAULT_INBOX_TABLE
-            } else {
-                schema::DEFAULT_OUTBOX_TABLE
-            }
-            .to_owned();
+            self.inbox_table = outbox_api::backend::unused_inbox_table(&self.table).to_owned();
         }
         self.connect().await
     }
