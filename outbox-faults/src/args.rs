@@ -39,10 +39,18 @@ pub struct ChildArgs {
     /// receiver's tables), one pool and one `LISTEN` connection, instead of
     /// one relay over `pg_schema`.
     pub pg_tenants: usize,
+    /// On MySQL/MariaDB instead of SQLite: the prefix of the outbox table
+    /// (`<prefix>_outbox`) and the receiver's tables. The database URL is
+    /// read from [`MYSQL_URL_VARIABLE`], which
+    /// [`RelayChild::spawn_mysql`](crate::RelayChild::spawn_mysql) sets.
+    pub mysql_prefix: Option<String>,
 }
 
 /// The variable a `relay-child` on PostgreSQL reads its database URL from.
 pub const PG_URL_VARIABLE: &str = "OUTBOX_FAULTS_PG_URL";
+
+/// The variable a `relay-child` on MySQL/MariaDB reads its database URL from.
+pub const MYSQL_URL_VARIABLE: &str = "OUTBOX_FAULTS_MYSQL_URL";
 
 impl ChildArgs {
     /// Defaults for a quick child: batch 50, lease 1 s, handler timeout
@@ -65,6 +73,7 @@ impl ChildArgs {
             consumer: "faults".to_owned(),
             pg_schema: None,
             pg_tenants: 0,
+            mysql_prefix: None,
         }
     }
 
@@ -73,6 +82,14 @@ impl ChildArgs {
     pub fn postgres(schema: impl Into<String>, worker: impl Into<String>) -> Self {
         let mut a = ChildArgs::new("", "", worker);
         a.pg_schema = Some(schema.into());
+        a
+    }
+
+    /// Defaults as [`new`](Self::new), on MySQL/MariaDB: outbox and
+    /// receiver tables named `<prefix>_…`.
+    pub fn mysql(prefix: impl Into<String>, worker: impl Into<String>) -> Self {
+        let mut a = ChildArgs::new("", "", worker);
+        a.mysql_prefix = Some(prefix.into());
         a
     }
 
@@ -107,6 +124,9 @@ impl ChildArgs {
         if self.pg_tenants > 0 {
             args.extend(["--pg-tenants".into(), self.pg_tenants.to_string()]);
         }
+        if let Some(prefix) = &self.mysql_prefix {
+            args.extend(["--mysql-prefix".into(), prefix.clone()]);
+        }
         args
     }
 
@@ -137,14 +157,25 @@ impl ChildArgs {
                 "--consumer" => a.consumer = value,
                 "--pg-schema" => a.pg_schema = Some(value),
                 "--pg-tenants" => a.pg_tenants = num(&value)? as usize,
+                "--mysql-prefix" => a.mysql_prefix = Some(value),
                 other => return Err(format!("unknown option `{other}`")),
             }
         }
-        if a.pg_schema.is_none() && a.outbox_db.as_os_str().is_empty() {
-            return Err("`--outbox-db PATH` (or `--pg-schema NAME`) is required".into());
+        let server = a.pg_schema.is_some() || a.mysql_prefix.is_some();
+        if a.pg_schema.is_some() && a.mysql_prefix.is_some() {
+            return Err("`--pg-schema` and `--mysql-prefix` exclude each other".into());
         }
-        if a.pg_schema.is_none() && a.receiver_db.as_os_str().is_empty() {
-            return Err("`--receiver-db PATH` (or `--pg-schema NAME`) is required".into());
+        if !server && a.outbox_db.as_os_str().is_empty() {
+            return Err(
+                "`--outbox-db PATH` (or `--pg-schema NAME`, or `--mysql-prefix NAME`) is required"
+                    .into(),
+            );
+        }
+        if !server && a.receiver_db.as_os_str().is_empty() {
+            return Err(
+                "`--receiver-db PATH` (or `--pg-schema NAME`, or `--mysql-prefix NAME`) is required"
+                    .into(),
+            );
         }
         if a.pg_tenants > 0 && a.pg_schema.is_none() {
             return Err("`--pg-tenants N` needs `--pg-schema PREFIX`".into());
@@ -172,6 +203,9 @@ mod tests {
         let q = ChildArgs::parse(p.to_args()).unwrap();
         assert_eq!(q.pg_schema.as_deref(), Some("faults_1"));
         assert_eq!(format!("{p:?}"), format!("{q:?}"));
+        let m = ChildArgs::mysql("faults_my", "w4");
+        let n = ChildArgs::parse(m.to_args()).unwrap();
+        assert_eq!(format!("{m:?}"), format!("{n:?}"));
         let mut f = ChildArgs::postgres("faults_fleet", "w3");
         f.pg_tenants = 100;
         let g = ChildArgs::parse(f.to_args()).unwrap();

@@ -313,6 +313,16 @@ pub fn log_problems(log: &Path) -> Vec<String> {
         .collect()
 }
 
+/// The problem lines in a child's log ([`log_problems`]) that no line of
+/// `outages` explains (what a relay logs while its database is out of
+/// reach); a panic is a problem whatever it says.
+pub fn log_problems_beyond(log: &Path, outages: &[&str]) -> Vec<String> {
+    log_problems(log)
+        .into_iter()
+        .filter(|l| !outages.iter().any(|p| l.contains(p)) || l.contains("panicked"))
+        .collect()
+}
+
 /// The last `n` lines of a child's log, for failure messages (the log lives
 /// in the test's temporary directory, which is gone after a failure).
 pub fn log_tail(log: &Path, n: usize) -> String {

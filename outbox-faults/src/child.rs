@@ -6,7 +6,7 @@ use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::ChildArgs;
-use crate::args::PG_URL_VARIABLE;
+use crate::args::{MYSQL_URL_VARIABLE, PG_URL_VARIABLE};
 
 /// A running `relay-child` process. Dropping it kills the process
 /// (SIGKILL) and reaps it, so a failing test never leaves relays behind.
@@ -40,13 +40,29 @@ impl RelayChild {
         if args.pg_schema.is_none() {
             return Err(io::Error::other("spawn_postgres needs args.pg_schema"));
         }
-        Self::start(exe, args, Some(url), log)
+        Self::start(exe, args, Some((PG_URL_VARIABLE, url)), log)
     }
 
+    /// Starts `exe` on MySQL/MariaDB at `url` (`args.mysql_prefix` names
+    /// the tables); the URL reaches the child through
+    /// [`MYSQL_URL_VARIABLE`], never its command line.
+    pub fn spawn_mysql(
+        exe: &Path,
+        args: &ChildArgs,
+        url: &str,
+        log: &Path,
+    ) -> io::Result<RelayChild> {
+        if args.mysql_prefix.is_none() {
+            return Err(io::Error::other("spawn_mysql needs args.mysql_prefix"));
+        }
+        Self::start(exe, args, Some((MYSQL_URL_VARIABLE, url)), log)
+    }
+
+    /// Starts `exe` with `args`, and `url` in the variable named with it.
     fn start(
         exe: &Path,
         args: &ChildArgs,
-        url: Option<&str>,
+        url: Option<(&str, &str)>,
         log: &Path,
     ) -> io::Result<RelayChild> {
         let out = std::fs::OpenOptions::new()
@@ -55,8 +71,8 @@ impl RelayChild {
             .open(log)?;
         let err = out.try_clone()?;
         let mut command = Command::new(exe);
-        if let Some(url) = url {
-            command.env(PG_URL_VARIABLE, url);
+        if let Some((variable, url)) = url {
+            command.env(variable, url);
         }
         let mut child = command
             .args(args.to_args())

@@ -15,7 +15,8 @@
 //!   PostgreSQL fault test (`pg_terminate_backend`, a server restart);
 //! * [`own_postgres`]: a PostgreSQL server of a test's own, in a temporary
 //!   directory, for tests that crash or restart the server (never the
-//!   shared one).
+//!   shared one);
+//! * [`mysql`] and [`own_mysql`]: the same on MySQL/MariaDB.
 //!
 //! The tests themselves are in `tests/`; see the crate's README.
 #![forbid(unsafe_code)]
@@ -24,15 +25,19 @@ mod args;
 pub mod check;
 mod child;
 mod counting;
+pub mod mysql;
+pub mod own_mysql;
 pub mod own_postgres;
 pub mod postgres;
 mod receiver;
 mod tally;
+mod writer;
 
-pub use args::{ChildArgs, PG_URL_VARIABLE};
+pub use args::{ChildArgs, MYSQL_URL_VARIABLE, PG_URL_VARIABLE};
 pub use child::{RelayChild, assert_all_running, stop_all};
 pub use counting::CountingStore;
 pub use receiver::{
     MESSAGE_TYPE, RECEIVER_INBOX_TABLE, RECEIVER_OUTBOX_TABLE, Receiver, open_connection,
     prepare_receiver_schema,
 };
+pub use writer::Enqueued;

@@ -160,7 +160,7 @@ pub fn server_binaries() -> Result<PathBuf, String> {
 
 /// Whether this process runs with effective user id 0 (root): from
 /// `/proc/self/status`, else from `id -u`.
-fn effective_uid_is_root() -> bool {
+pub(crate) fn effective_uid_is_root() -> bool {
     let from_proc = std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|status| {
@@ -177,7 +177,7 @@ fn effective_uid_is_root() -> bool {
 
 /// A free TCP port on 127.0.0.1 (bound and released at once; the server
 /// binds it a moment later).
-fn free_port() -> Result<u16, String> {
+pub(crate) fn free_port() -> Result<u16, String> {
     let listener = TcpListener::bind("127.0.0.1:0")
         .map_err(|e| format!("finding a free port on 127.0.0.1: {e}"))?;
     listener
@@ -187,7 +187,7 @@ fn free_port() -> Result<u16, String> {
 }
 
 /// What a finished command said, for error messages.
-fn said(out: &Output) -> String {
+pub(crate) fn said(out: &Output) -> String {
     let mut text = String::from_utf8_lossy(&out.stderr).trim().to_owned();
     let stdout = String::from_utf8_lossy(&out.stdout);
     if !stdout.trim().is_empty() {

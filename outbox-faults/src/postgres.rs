@@ -7,15 +7,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_api::{
-    Dispatcher, ErrorKind, HandlerError, Message, MessageId, TemporarilyUnavailable, Timestamp,
-};
+use outbox_api::{Dispatcher, ErrorKind, HandlerError, Message, MessageId, Timestamp};
 use outbox_postgres::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, Row};
 use outbox_postgres::{PgOutbox, PgStore, WakeUp, error_kind};
 
 use crate::check::{self, Counts, EffectRow, Expected, Report};
-use crate::tally::Tally;
+use crate::tally::{Failed, Tally};
+pub use crate::writer::Enqueued;
+use crate::writer::{self, BatchFailed};
 use crate::{RECEIVER_INBOX_TABLE, RECEIVER_OUTBOX_TABLE};
 
 /// The outbox table's name in the test's schema.
@@ -34,7 +34,7 @@ pub fn with_application_name(url: &str, name: &str) -> String {
 ///
 /// A handler's pool must give up well within the relay's
 /// `handler_timeout`: then a database outage surfaces as an error the
-/// handler turns into [`TemporarilyUnavailable`] (retried, not counted),
+/// handler turns into [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable) (retried, not counted),
 /// where a handler still waiting at its timeout counts an attempt.
 pub fn lazy_pool(
     url: &str,
@@ -100,7 +100,7 @@ async fn receiver_inbox(pool: &PgPool, schema: &str) -> Result<PgStore, String> 
 /// ([`PgOutbox::try_receive`]), then inserts its effect row if it is new or
 /// bumps the `duplicates` counter if not, inserts a `calls` row, commits.
 /// When its database is out of reach (a terminated connection, a restart)
-/// it returns [`TemporarilyUnavailable`], which the relay retries without
+/// it returns [`TemporarilyUnavailable`](outbox_api::TemporarilyUnavailable), which the relay retries without
 /// counting an attempt, and prints a `HANDLER_UNAVAILABLE` line; any other
 /// failure prints a `HANDLER_ERROR` line.
 #[derive(Clone)]
@@ -127,12 +127,6 @@ impl std::fmt::Debug for PgReceiver {
             .field("worker", &self.shared.worker)
             .finish_non_exhaustive()
     }
-}
-
-/// Why a receiver transaction did not commit.
-enum Failed {
-    Unavailable(String),
-    Other(String),
 }
 
 impl PgReceiver {
@@ -261,42 +255,18 @@ impl Dispatcher for PgReceiver {
         if !self.shared.delay.is_zero() {
             tokio::time::sleep(self.shared.delay).await;
         }
-        let outcome = match self.shared.record(message).await {
-            Err(Failed::Unavailable(e)) => {
-                eprintln!(
-                    "HANDLER_UNAVAILABLE worker={} message={}: {e}",
-                    self.shared.worker, message.id
-                );
-                return Err(Box::new(TemporarilyUnavailable::new(e)));
-            }
-            Err(Failed::Other(e)) => Err(e),
-            Ok(new) => Ok(new),
-        };
+        let outcome = self.shared.record(message).await;
         self.shared
             .tally
-            .count(&self.shared.worker, message.id, outcome)
+            .answer(&self.shared.worker, message.id, outcome)
     }
-}
-
-/// What [`enqueue_many`] wrote: the messages whose transaction committed,
-/// and the batches whose `COMMIT` failed with the connection (committed or
-/// not: [`Enqueued::settle`] looks).
-#[derive(Debug, Default)]
-pub struct Enqueued {
-    /// Committed for certain.
-    pub committed: Vec<Expected>,
-    /// Batches whose outcome is unknown.
-    pub uncertain: Vec<Vec<Expected>>,
-    /// Transactions that failed (and were rolled back or are uncertain)
-    /// because the database was out of reach.
-    pub interrupted: u64,
 }
 
 impl Enqueued {
     /// The messages that were enqueued: the committed ones and each
     /// uncertain batch whose rows are in the outbox (a batch is one
     /// transaction: all of its rows are there, or none).
-    pub async fn settle(mut self, pool: &PgPool, schema: &str) -> Result<Vec<Expected>, String> {
+    pub async fn settle(self, pool: &PgPool, schema: &str) -> Result<Vec<Expected>, String> {
         let ids: Vec<sqlx::types::Uuid> = self
             .uncertain
             .iter()
@@ -313,28 +283,16 @@ impl Enqueued {
         .iter()
         .map(|r| MessageId::from_uuid(r.get(0)))
         .collect();
-        for batch in self.uncertain.drain(..) {
-            let there = batch.iter().filter(|e| present.contains(&e.id)).count();
-            if there == batch.len() {
-                self.committed.extend(batch);
-            } else if there != 0 {
-                return Err(format!(
-                    "a transaction was half committed: {there} of {} rows are there",
-                    batch.len()
-                ));
-            }
-        }
-        self.committed.sort_by_key(|e| e.seq);
-        Ok(self.committed)
+        self.settle_with(&present)
     }
 }
 
 /// Enqueues `count` messages with sqlx in transactions of 1–8 messages, as
 /// [`check::enqueue_many`] does on SQLite (same sizes, keys and sequence
-/// numbers from `rng`). A transaction that fails because the database is
-/// out of reach is tried again after 50 ms — unless it was its `COMMIT`
-/// that failed: then the batch is kept as uncertain (see
-/// [`Enqueued::settle`]). Any other failure is returned.
+/// numbers from `rng`), through [`writer::enqueue_many`]: a transaction
+/// that fails because the database is out of reach is tried again — unless
+/// it was its `COMMIT` that failed: then the batch is kept as uncertain
+/// (see [`Enqueued::settle`]). Any other failure is returned.
 pub async fn enqueue_many(
     outbox: &PgOutbox,
     pool: &PgPool,
@@ -344,52 +302,16 @@ pub async fn enqueue_many(
     keys: usize,
     key_prefix: &str,
 ) -> Result<Enqueued, String> {
-    let mut out = Enqueued::default();
-    let mut seq = first_seq;
-    let mut written = 0;
-    while written < count {
-        let n = rng.usize(1..=8).min(count - written);
-        let batch: Vec<(i64, Option<String>)> = (0..n)
-            .map(|i| {
-                let key = (keys > 0 && rng.u8(..3) == 0)
-                    .then(|| format!("{key_prefix}{}", rng.usize(..keys)));
-                (seq + i as i64, key)
-            })
-            .collect();
-        seq += n as i64;
-        loop {
-            match enqueue_batch(outbox, pool, &batch).await {
-                Ok(done) => out.committed.extend(done),
-                Err(BatchFailed::Commit(batch)) => {
-                    out.interrupted += 1;
-                    out.uncertain.push(batch);
-                }
-                Err(BatchFailed::Unavailable) => {
-                    // Rolled back: the same messages again, once the
-                    // database answers.
-                    out.interrupted += 1;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-                Err(BatchFailed::Other(e)) => return Err(e),
-            }
-            break;
-        }
-        written += n;
-    }
-    Ok(out)
-}
-
-enum BatchFailed {
-    Unavailable,
-    Commit(Vec<Expected>),
-    Other(String),
+    writer::enqueue_many(rng, first_seq, count, keys, key_prefix, |batch| {
+        enqueue_batch(outbox, pool, batch)
+    })
+    .await
 }
 
 async fn enqueue_batch(
     outbox: &PgOutbox,
     pool: &PgPool,
-    batch: &[(i64, Option<String>)],
+    batch: Vec<(i64, Option<String>)>,
 ) -> Result<Vec<Expected>, BatchFailed> {
     let fail = |e: sqlx::Error, what: &str| {
         if unavailable(&e) {
@@ -402,14 +324,10 @@ async fn enqueue_batch(
     let mut done = Vec::with_capacity(batch.len());
     for (seq, key) in batch {
         match outbox
-            .enqueue(&mut tx, check::message(*seq, key.as_deref()))
+            .enqueue(&mut tx, check::message(seq, key.as_deref()))
             .await
         {
-            Ok(id) => done.push(Expected {
-                id,
-                seq: *seq,
-                key: key.clone(),
-            }),
+            Ok(id) => done.push(Expected { id, seq, key }),
             Err(e) if e.kind() == ErrorKind::Unavailable => return Err(BatchFailed::Unavailable),
             Err(e) => return Err(BatchFailed::Other(format!("enqueue: {e}"))),
         }
@@ -578,8 +496,5 @@ pub const OUTAGE_LINES: &[&str] = &[
 /// [`check::log_problems`]) that a database outage does not explain: every
 /// one but those of [`OUTAGE_LINES`].
 pub fn log_problems_beyond_outages(log: &std::path::Path) -> Vec<String> {
-    check::log_problems(log)
-        .into_iter()
-        .filter(|l| !OUTAGE_LINES.iter().any(|p| l.contains(p)) || l.contains("panicked"))
-        .collect()
+    check::log_problems_beyond(log, OUTAGE_LINES)
 }

@@ -1,9 +1,19 @@
-//! What a receiver counted, shared by the SQLite and PostgreSQL receivers.
+//! What a receiver counted, shared by the SQLite, PostgreSQL and MySQL
+//! receivers, and how a receiver transaction's outcome becomes the
+//! handler's answer.
 
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use outbox_api::{HandlerError, MessageId};
+use outbox_api::{HandlerError, MessageId, TemporarilyUnavailable};
+
+/// Why a receiver transaction on a server database did not commit.
+pub(crate) enum Failed {
+    /// The database was out of reach (retried, not counted).
+    Unavailable(String),
+    /// Anything else (a counted failure).
+    Other(String),
+}
 
 /// First deliveries, duplicates the inbox turned away, and failures.
 #[derive(Debug, Default)]
@@ -56,6 +66,26 @@ impl Tally {
                     .push(text);
                 Err(e.into())
             }
+        }
+    }
+
+    /// The handler's answer to a receiver transaction on a server
+    /// database: out of reach is [`TemporarilyUnavailable`] (printed as a
+    /// `HANDLER_UNAVAILABLE` line; the relay retries it uncounted), any
+    /// other outcome is [`count`](Self::count)ed.
+    pub(crate) fn answer(
+        &self,
+        worker: &str,
+        message: MessageId,
+        outcome: Result<bool, Failed>,
+    ) -> Result<(), HandlerError> {
+        match outcome {
+            Err(Failed::Unavailable(e)) => {
+                eprintln!("HANDLER_UNAVAILABLE worker={worker} message={message}: {e}");
+                Err(Box::new(TemporarilyUnavailable::new(e)))
+            }
+            Err(Failed::Other(e)) => self.count(worker, message, Err(e)),
+            Ok(new) => self.count(worker, message, Ok(new)),
         }
     }
 }

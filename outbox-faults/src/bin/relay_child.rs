@@ -14,7 +14,12 @@
 //!     [--handler-delay-ms 0] [--concurrency 16] [--consumer faults]
 //! OUTBOX_FAULTS_PG_URL=postgres://… relay-child --pg-schema faults_1 --worker w1 [options]
 //! OUTBOX_FAULTS_PG_URL=postgres://… relay-child --pg-schema fleet --pg-tenants 100 --worker w1 [options]
+//! OUTBOX_FAULTS_MYSQL_URL=mysql://… relay-child --mysql-prefix faults --worker w1 [options]
 //! ```
+//!
+//! With `--mysql-prefix NAME` the outbox is the table `NAME_outbox` and the
+//! receiver's tables `NAME_…` of the MySQL/MariaDB database whose URL is in
+//! `OUTBOX_FAULTS_MYSQL_URL` (the [`MySqlReceiver`] handler).
 //!
 //! With `--pg-tenants N` it runs an `outbox::Fleet` over the schemas
 //! `<schema>_0` … `<schema>_<N-1>` (migrated and prepared by the test), on
@@ -29,8 +34,10 @@ use std::time::Duration;
 use outbox::sqlite::SqliteStore;
 use outbox::{Fleet, Relay, RelayConfig};
 use outbox_api::{Dispatcher, Store};
+use outbox_faults::mysql::{self as my, MySqlReceiver};
 use outbox_faults::postgres::{PgReceiver, lazy_pool, with_application_name};
-use outbox_faults::{ChildArgs, CountingStore, PG_URL_VARIABLE, Receiver};
+use outbox_faults::{ChildArgs, CountingStore, MYSQL_URL_VARIABLE, PG_URL_VARIABLE, Receiver};
+use outbox_mysql::MySqlStore;
 use outbox_postgres::{PgSharedListener, PgStore};
 
 fn main() -> ExitCode {
@@ -70,6 +77,9 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: ChildArgs) -> Result<(), String> {
+    if let Some(prefix) = args.mysql_prefix.clone() {
+        return run_mysql(args, &prefix).await;
+    }
     match args.pg_schema.clone() {
         None => run_sqlite(args).await,
         Some(prefix) if args.pg_tenants > 0 => run_fleet(args, &prefix).await,
@@ -207,6 +217,42 @@ async fn run_postgres(args: ChildArgs, schema: &str) -> Result<(), String> {
         args.handler_delay,
     )
     .await?;
+    let report = receiver.clone();
+    relay(&args, store, receiver, move || report.figures()).await
+}
+
+/// On MySQL the server may be starting again while this process starts:
+/// opening is retried for up to 30 s while the error says `Unavailable`.
+async fn run_mysql(args: ChildArgs, prefix: &str) -> Result<(), String> {
+    let url = std::env::var(MYSQL_URL_VARIABLE)
+        .map_err(|_| format!("--mysql-prefix needs the database URL in {MYSQL_URL_VARIABLE}"))?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let (store, receiver) = loop {
+        let opened = async {
+            let store = MySqlStore::builder(&url)
+                .table(my::outbox_table(prefix))
+                .max_connections(4)
+                .connect()
+                .await
+                .map_err(|e| (e.kind(), format!("opening the outbox: {e}")))?;
+            let pool = my::lazy_pool(&url, args.concurrency as u32, args.handler_timeout / 2)
+                .map_err(|e| (outbox_api::ErrorKind::Config, e))?;
+            let receiver = MySqlReceiver::open(pool, &url, prefix, &args.consumer, &args.worker)
+                .await
+                .map_err(|e| (outbox_api::ErrorKind::Unavailable, e))?;
+            Ok::<_, (outbox_api::ErrorKind, String)>((store, receiver))
+        }
+        .await;
+        match opened {
+            Ok(opened) => break opened,
+            Err((outbox_api::ErrorKind::Unavailable, _))
+                if std::time::Instant::now() < deadline =>
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err((_, e)) => return Err(e),
+        }
+    };
     let report = receiver.clone();
     relay(&args, store, receiver, move || report.figures()).await
 }
