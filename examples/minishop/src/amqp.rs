@@ -146,9 +146,11 @@ pub async fn transport(url: &str, names: &AmqpNames, who: &str) -> Result<Rabbit
     config.build().await.context("connecting to RabbitMQ")
 }
 
-/// Counted handler failures after which a delivery is dead-lettered, on
-/// PostgreSQL (SQLite keeps the library's default, 3).
-pub const PG_MAX_ATTEMPTS: u32 = 5;
+/// Counted handler failures after which a delivery is dead-lettered, on a
+/// database server — PostgreSQL or MySQL, where a lost serialisation or a
+/// deadlock may fail a handler now and then (SQLite keeps the library's
+/// default, 3).
+pub const SERVER_MAX_ATTEMPTS: u32 = 5;
 /// Deliveries the broker sends ahead to each consumer (RabbitMQ and NATS).
 pub const PREFETCH: u16 = 200;
 
@@ -188,7 +190,7 @@ pub async fn partitioned_consumer(
     spawn_consumer(builder, what, module).await
 }
 
-/// Spawns `builder` on `module`'s inbox (SQLite or PostgreSQL); `what` it
+/// Spawns `builder` on `module`'s inbox (SQLite, PostgreSQL or MySQL); `what` it
 /// consumes names it in errors.
 async fn spawn_consumer(
     builder: RabbitConsumerBuilder,
@@ -200,7 +202,15 @@ async fn spawn_consumer(
         ModuleReceiver::Sqlite(inbox, handler) => builder.spawn(inbox, handler).await,
         ModuleReceiver::Postgres(inbox, handler) => {
             builder
-                .max_attempts(PG_MAX_ATTEMPTS)
+                .max_attempts(SERVER_MAX_ATTEMPTS)
+                .retry_delay(Duration::from_millis(50))
+                .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
+                .spawn(inbox, handler)
+                .await
+        }
+        ModuleReceiver::MySql(inbox, handler) => {
+            builder
+                .max_attempts(SERVER_MAX_ATTEMPTS)
                 .retry_delay(Duration::from_millis(50))
                 .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
                 .spawn(inbox, handler)

@@ -5,7 +5,7 @@ use outbox::rabbitmq::ConsumerHandle;
 use outbox::receive::ConsumerStats;
 
 /// A module's consumer: the library's `RabbitConsumer` or `NatsConsumer`,
-/// into the module's SQLite or PostgreSQL inbox.
+/// into the module's SQLite, PostgreSQL or MySQL inbox.
 #[derive(Debug)]
 pub enum Consumer {
     /// Through RabbitMQ.

@@ -2,8 +2,8 @@
 //! both buses.
 //!
 //! A module implements [`InboxModule::handle`]: the message's effects and any
-//! reply, written through the open transaction it is given (SQLite or
-//! PostgreSQL alike, see [`crate::db`]). Around it, the inbox transaction is
+//! reply, written through the open transaction it is given (SQLite,
+//! PostgreSQL or MySQL alike, see [`crate::db`]). Around it, the inbox transaction is
 //! always the same ([`ModuleDb::receive_once`](crate::db::ModuleDb::receive_once):
 //! on SQLite `outbox-sqlite`'s `SqliteOutbox::receive_once`) — begin,
 //! record `(consumer, message id)` in the inbox (a duplicate: skip), run
@@ -13,8 +13,8 @@
 //! * [`EmbeddedBus`] (the default) runs it in-process in [`receive`] and
 //!   answers the sending relay `Delivered` only after the commit;
 //! * with RabbitMQ or NATS, [`ModuleInbox`] hands the same handler to the
-//!   library's `RabbitConsumer` or `NatsConsumer` (its SQLite or PostgreSQL
-//!   inbox), which runs the same transaction and acks after the commit.
+//!   library's `RabbitConsumer` or `NatsConsumer` (its SQLite, PostgreSQL or
+//!   MySQL inbox), which runs the same transaction and acks after the commit.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox::mysql::MySqlOutbox;
+use outbox::mysql::sqlx::MySqlConnection;
 use outbox::postgres::PgOutbox;
 use outbox::postgres::sqlx::PgConnection;
 use outbox::receive::{InboxHandler, Received};
@@ -156,14 +158,14 @@ impl Transport for EmbeddedBus {
 
 /// A module's inbox handler as a broker consumer's handler (RabbitMQ's or
 /// NATS's): the consumer
-/// runs the inbox transaction (SQLite or PostgreSQL, by the outbox `O`),
+/// runs the inbox transaction (SQLite, PostgreSQL or MySQL, by the outbox `O`),
 /// this runs [`InboxModule::handle`] in it, with the module's outbox for
 /// its replies.
 #[derive(Debug)]
 pub struct ModuleInbox<O> {
     /// The receiving module.
     pub module: Arc<dyn InboxModule>,
-    /// Its outbox (`SqliteOutbox` or `PgOutbox`).
+    /// Its outbox (`SqliteOutbox`, `PgOutbox` or `MySqlOutbox`).
     pub outbox: O,
 }
 
@@ -188,6 +190,13 @@ impl InboxHandler<PgConnection> for ModuleInbox<PgOutbox> {
     }
 }
 
+#[async_trait]
+impl InboxHandler<MySqlConnection> for ModuleInbox<MySqlOutbox> {
+    async fn handle(&self, msg: &Received, tx: &mut MySqlConnection) -> Result<(), HandlerError> {
+        self.run(msg, &mut Conn::MySql(tx, &self.outbox)).await
+    }
+}
+
 /// A module's inbox and its handler, on the module's database: what a
 /// broker consumer (RabbitMQ's or NATS's) is spawned with.
 pub enum ModuleReceiver {
@@ -195,29 +204,38 @@ pub enum ModuleReceiver {
     Sqlite(outbox::sqlite::SqliteInbox, ModuleInbox<SqliteOutbox>),
     /// On PostgreSQL.
     Postgres(outbox::postgres::PgInbox, ModuleInbox<PgOutbox>),
+    /// On MySQL or MariaDB.
+    MySql(outbox::mysql::MySqlInbox, ModuleInbox<MySqlOutbox>),
 }
 
 impl ModuleReceiver {
     /// `module`'s inbox and handler.
     pub fn of(module: Arc<dyn InboxModule>) -> Result<ModuleReceiver, crate::fail::Fail> {
         let db = module.db().clone();
-        match (db.sqlite(), db.postgres()) {
-            (Some((outbox, pool)), _) => Ok(ModuleReceiver::Sqlite(
+        match (db.sqlite(), db.postgres(), db.mysql()) {
+            (Some((outbox, pool)), _, _) => Ok(ModuleReceiver::Sqlite(
                 outbox::sqlite::SqliteInbox::new(outbox.clone(), pool.clone()),
                 ModuleInbox {
                     module,
                     outbox: outbox.clone(),
                 },
             )),
-            (None, Some((outbox, pool))) => Ok(ModuleReceiver::Postgres(
+            (None, Some((outbox, pool)), _) => Ok(ModuleReceiver::Postgres(
                 outbox::postgres::PgInbox::new(outbox.clone(), pool.clone()),
                 ModuleInbox {
                     module,
                     outbox: outbox.clone(),
                 },
             )),
-            (None, None) => Err(crate::fail::Fail(format!(
-                "the {} database is neither SQLite nor PostgreSQL",
+            (None, None, Some((outbox, pool))) => Ok(ModuleReceiver::MySql(
+                outbox::mysql::MySqlInbox::new(outbox.clone(), pool.clone()),
+                ModuleInbox {
+                    module,
+                    outbox: outbox.clone(),
+                },
+            )),
+            (None, None, None) => Err(crate::fail::Fail(format!(
+                "the {} database is neither SQLite, PostgreSQL nor MySQL",
                 db.name
             ))),
         }

@@ -1,8 +1,8 @@
 //! # MiniShop — the outbox-rs demo
 //!
 //! Two modules, each with its own database and outbox — a SQLite file each,
-//! or a PostgreSQL schema each with `--postgres URL` — and one saga between
-//! them:
+//! a PostgreSQL schema each with `--postgres URL`, or a MySQL/MariaDB
+//! database each with `--mysql URL` — and one saga between them:
 //!
 //! 1. **Ordering** (`ordering.db`) places an order: the `orders` row and an
 //!    `OrderPlaced` integration message commit in one transaction.
@@ -20,11 +20,11 @@
 //! in-process bus by default, through RabbitMQ with `--amqp URL`, or
 //! through NATS JetStream with `--nats URL`.
 //!
-//! With PostgreSQL and a broker (RabbitMQ or NATS) the modules can also
-//! run as separate processes: one `--role ordering` and any number of
-//! `--role warehouse --replica I --replicas N`, sharing the warehouse's
-//! schema and consuming `OrderPlaced` from key-partitioned queues or
-//! subjects ([`replica`]).
+//! With PostgreSQL or MySQL and a broker (RabbitMQ or NATS) the modules
+//! can also run as separate processes: one `--role ordering` and any
+//! number of `--role warehouse --replica I --replicas N`, sharing the
+//! warehouse's schema (or database) and consuming `OrderPlaced` from
+//! key-partitioned queues or subjects ([`replica`]).
 //!
 //! ```text
 //! cargo run --release -p minishop -- --orders 200         # load run + summary
@@ -32,11 +32,13 @@
 //! cargo run --release -p minishop -- --amqp amqp://guest:guest@127.0.0.1:5672/%2f --orders 200
 //! cargo run --release -p minishop -- --nats nats://127.0.0.1:4222 --orders 200
 //! cargo run --release -p minishop -- --postgres postgres://postgres@127.0.0.1:5432/test --orders 200
+//! cargo run --release -p minishop -- --mysql mysql://root@127.0.0.1:3306/test --orders 200
 //! # several processes (each line in its own terminal):
 //! minishop --amqp URL --postgres URL --role warehouse --replica 0 --replicas 2
 //! minishop --amqp URL --postgres URL --role warehouse --replica 1 --replicas 2
 //! minishop --amqp URL --postgres URL --role ordering --orders 500
-//! # the same over NATS: --nats nats://127.0.0.1:4222 instead of --amqp URL
+//! # the same over NATS: --nats nats://127.0.0.1:4222 instead of --amqp URL,
+//! # on MySQL: --mysql URL instead of --postgres URL
 //! ```
 #![forbid(unsafe_code)]
 
@@ -198,7 +200,7 @@ struct Args {
     log_format: LogFormat,
 
     /// Where the two SQLite databases live (ordering.db, warehouse.db).
-    /// Not used with --postgres.
+    /// Not used with --postgres or --mysql.
     #[arg(long, value_name = "DIR", default_value = "./minishop-data")]
     data_dir: PathBuf,
 
@@ -208,8 +210,17 @@ struct Args {
     #[arg(long, value_name = "URL")]
     postgres: Option<String>,
 
+    /// Run both modules on MySQL or MariaDB at URL instead of SQLite, a
+    /// database each beside URL's database DB (`DB_ordering`,
+    /// `DB_warehouse`, created if missing), e.g.
+    /// mysql://root@127.0.0.1:3306/test. The user needs the right to create
+    /// (with --fresh or --isolated, to drop) them. The password is never
+    /// printed.
+    #[arg(long, value_name = "URL", conflicts_with = "postgres")]
+    mysql: Option<String>,
+
     /// Delete the shop's data first: its two databases in the data dir, or
-    /// (with --postgres) its two schemas.
+    /// its two schemas (with --postgres) or databases (with --mysql).
     #[arg(long)]
     fresh: bool,
 
@@ -234,22 +245,22 @@ struct Args {
     )]
     nats: Option<String>,
 
-    /// With --amqp, --nats and/or --postgres: use queue, exchange and
-    /// stream names and PostgreSQL schemas unique to this run (deleted at
-    /// exit), so that parallel runs do not share them.
+    /// With --amqp, --nats, --postgres and/or --mysql: use queue, exchange
+    /// and stream names, PostgreSQL schemas and MySQL databases unique to
+    /// this run (deleted at exit), so that parallel runs do not share them.
     #[arg(long, conflicts_with = "run")]
     isolated: bool,
 
-    /// With --amqp, --nats and/or --postgres: suffix the queue, exchange,
-    /// stream and schema names with this id (letters and digits), so that the
-    /// processes of one run share them and other runs do not. Nothing is
-    /// deleted at exit.
+    /// With --amqp, --nats, --postgres and/or --mysql: suffix the queue,
+    /// exchange, stream, schema and database names with this id (letters and
+    /// digits), so that the processes of one run share them and other runs
+    /// do not. Nothing is deleted at exit.
     #[arg(long, value_name = "ID", value_parser = parse_run_id)]
     run: Option<String>,
 
     /// Which modules this process runs: `all`, or — with --amqp or --nats,
-    /// and --postgres — `ordering` or `warehouse` in processes of their
-    /// own.
+    /// and --postgres or --mysql — `ordering` or `warehouse` in processes of
+    /// their own.
     #[arg(long, value_enum, default_value = "all")]
     role: Role,
 
@@ -371,9 +382,9 @@ fn check_role(args: &Args) -> Result<(u16, u16), Fail> {
             "{role} needs --amqp URL (or OUTBOX_AMQP_URL) or --nats URL (or OUTBOX_NATS_URL): the processes talk through a broker"
         )));
     }
-    if args.postgres.is_none() {
+    if args.postgres.is_none() && args.mysql.is_none() {
         return Err(Fail(format!(
-            "{role} needs --postgres URL: the warehouse replicas share its `warehouse` schema"
+            "{role} needs --postgres URL or --mysql URL: the warehouse replicas share its `warehouse` schema (or database)"
         )));
     }
     if args.isolated {
@@ -383,7 +394,7 @@ fn check_role(args: &Args) -> Result<(u16, u16), Fail> {
     }
     if args.fresh {
         return Err(Fail(format!(
-            "{role} cannot use --fresh (a process would drop the others' data): drop the schemas before starting them"
+            "{role} cannot use --fresh (a process would drop the others' data): drop the schemas (or databases) before starting them"
         )));
     }
     if args.role == Role::Ordering && (args.replica != 0 || args.replicas != 1) {
@@ -426,9 +437,14 @@ fn parse_rate(text: &str) -> Result<f64, String> {
 }
 
 async fn run(args: Args) -> Result<(), Fail> {
-    if args.isolated && args.amqp.is_none() && args.nats.is_none() && args.postgres.is_none() {
+    if args.isolated
+        && args.amqp.is_none()
+        && args.nats.is_none()
+        && args.postgres.is_none()
+        && args.mysql.is_none()
+    {
         return Err(Fail(
-            "--isolated needs --amqp (or OUTBOX_AMQP_URL), --nats (or OUTBOX_NATS_URL) or --postgres"
+            "--isolated needs --amqp (or OUTBOX_AMQP_URL), --nats (or OUTBOX_NATS_URL), --postgres or --mysql"
                 .into(),
         ));
     }
@@ -459,11 +475,12 @@ async fn run(args: Args) -> Result<(), Fail> {
         },
         (None, None) => Bus::Embedded,
     };
-    let location = match &args.postgres {
-        None => Location::Sqlite {
+    let location = match (&args.postgres, &args.mysql) {
+        (Some(url), _) => Location::postgres(url, run.as_deref())?,
+        (None, Some(url)) => Location::mysql(url, run.as_deref())?,
+        (None, None) => Location::Sqlite {
             dir: args.data_dir.clone(),
         },
-        Some(url) => Location::postgres(url, run.as_deref())?,
     };
     location.prepare(args.fresh).await?;
     if args.role == Role::Warehouse {
@@ -475,7 +492,8 @@ async fn run(args: Args) -> Result<(), Fail> {
         Role::Ordering => Modules::OrderingOnly,
         _ => Modules::Both,
     };
-    let isolated_pg = args.isolated && args.postgres.is_some();
+    // An isolated run's schemas (PostgreSQL) or databases (MySQL) go at exit.
+    let isolated_db = args.isolated && (args.postgres.is_some() || args.mysql.is_some());
     // Before the relays and consumers start, so that they record into it.
     let metrics = http::install_metrics()?;
     let started = Shop::start(&location, bus, modules).await;
@@ -490,9 +508,9 @@ async fn run(args: Args) -> Result<(), Fail> {
         }
         Err(e) => Err(e),
     };
-    if isolated_pg {
-        if let Err(e) = location.drop_schemas("--isolated").await {
-            tracing::warn!("could not drop this run's schemas: {e}");
+    if isolated_db {
+        if let Err(e) = location.drop_modules("--isolated").await {
+            tracing::warn!("could not drop this run's schemas or databases: {e}");
         }
     }
     result

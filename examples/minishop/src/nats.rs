@@ -18,7 +18,7 @@ use std::time::Duration;
 use outbox::OutboxMessage;
 use outbox::nats::{NatsConfig, NatsConsumer, NatsTransport, StreamSpec};
 
-use crate::amqp::{PG_MAX_ATTEMPTS, PREFETCH};
+use crate::amqp::{PREFETCH, SERVER_MAX_ATTEMPTS};
 use crate::consumer::Consumer;
 use crate::fail::{Context, Fail};
 use crate::inbox::{InboxModule, ModuleReceiver};
@@ -162,7 +162,15 @@ pub async fn consumer(
         ModuleReceiver::Sqlite(inbox, handler) => builder.spawn(inbox, handler).await,
         ModuleReceiver::Postgres(inbox, handler) => {
             builder
-                .max_attempts(PG_MAX_ATTEMPTS)
+                .max_attempts(SERVER_MAX_ATTEMPTS)
+                .retry_delay(Duration::from_millis(50))
+                .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
+                .spawn(inbox, handler)
+                .await
+        }
+        ModuleReceiver::MySql(inbox, handler) => {
+            builder
+                .max_attempts(SERVER_MAX_ATTEMPTS)
                 .retry_delay(Duration::from_millis(50))
                 .unavailable_backoff(Duration::from_millis(50), Duration::from_secs(5))
                 .spawn(inbox, handler)

@@ -1,4 +1,5 @@
-//! The Ordering module (`ordering.db`, or schema `ordering` on PostgreSQL):
+//! The Ordering module (`ordering.db`, schema `ordering` on PostgreSQL, or
+//! database `<db>_ordering` on MySQL):
 //! places orders, follows the warehouse's answers, and confirms or cancels.
 
 use std::collections::HashMap;
@@ -32,9 +33,11 @@ pub const CATALOGUE: &[(&str, i64)] = &[
 /// Largest quantity one order may ask for.
 pub const MAX_QTY: u32 = 1_000;
 
-/// The `orders` table. The dialects differ in the id's collation only:
-/// ids are UUID v7 text, and `saga_counts` selects a run by id range, which
-/// needs byte order (SQLite's default; PostgreSQL's is the locale's).
+/// The `orders` table. The dialects differ in the id's collation and the
+/// column types only: ids are UUID v7 text, and `saga_counts` selects a
+/// run by id range, which needs byte order (SQLite's default; PostgreSQL's
+/// is the locale's; MySQL's `ascii_bin`). MySQL keys and defaults need
+/// `VARCHAR`s (`customer` is at most 200 bytes, see [`Ordering::validate`]).
 const DDL: Ddl = Ddl {
     sqlite: &["CREATE TABLE IF NOT EXISTS orders (
         id           TEXT    PRIMARY KEY, -- UUID v7: unique across runs, ordered by time
@@ -62,6 +65,19 @@ const DDL: Ddl = Ddl {
         decided_at   BIGINT,
         confirmed_at BIGINT
     )"#],
+    mysql: &["CREATE TABLE IF NOT EXISTS orders (
+        id           VARCHAR(36)  CHARACTER SET ascii COLLATE ascii_bin PRIMARY KEY, -- UUID v7 text, byte order
+        customer     VARCHAR(200) NOT NULL,
+        sku          VARCHAR(64)  NOT NULL,
+        qty          BIGINT       NOT NULL,
+        total_cents  BIGINT       NOT NULL,
+        status       VARCHAR(16)  NOT NULL DEFAULT 'pending'
+                     CHECK (status IN ('pending', 'confirmed', 'cancelled')),
+        reason       TEXT,
+        created_at   BIGINT       NOT NULL,
+        decided_at   BIGINT,
+        confirmed_at BIGINT
+    ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4"],
 };
 
 /// A request that cannot become an order.
@@ -309,10 +325,10 @@ impl Ordering {
             .map_err(|e| store("beginning the order transaction", &e))?;
         let mut conn = tx.conn();
         let order_id = Uuid::now_v7();
-        with_conn!(&mut conn, |c| sqlx::query(
+        with_conn!(&mut conn, |c, d| sqlx::query(d.sql(
             "INSERT INTO orders (id, customer, sku, qty, total_cents, status, created_at)
              VALUES ($1, $2, $3, $4, $5, 'pending', $6)",
-        )
+        ))
         .bind(order_id.to_string())
         .bind(customer)
         .bind(sku)
@@ -350,7 +366,7 @@ impl Ordering {
     pub async fn get_order(&self, id: Uuid) -> Result<Option<OrderView>, String> {
         const SQL: &str = "SELECT id, customer, sku, qty, total_cents, status, reason, created_at, decided_at, confirmed_at
              FROM orders WHERE id = $1";
-        let view = with_pool!(self.db.pool(), |p| sqlx::query(SQL)
+        let view = with_pool!(self.db.pool(), |p, d| sqlx::query(d.sql(SQL))
             .bind(id.to_string())
             .fetch_optional(p)
             .await
@@ -384,7 +400,7 @@ impl Ordering {
                     COUNT(CASE WHEN status = 'confirmed' AND confirmed_at IS NOT NULL THEN 1 END),
                     COUNT(CASE WHEN status = 'cancelled' THEN 1 END)
              FROM orders WHERE id BETWEEN $1 AND $2";
-        let counts: [i64; 5] = with_pool!(self.db.pool(), |p| sqlx::query(SQL)
+        let counts: [i64; 5] = with_pool!(self.db.pool(), |p, d| sqlx::query(d.sql(SQL))
             .bind(first.to_string())
             .bind(last.to_string())
             .fetch_one(p)
@@ -423,7 +439,7 @@ impl Ordering {
     async fn on_order_confirmed(&self, e: OrderConfirmed) -> Result<(), HandlerError> {
         const SQL: &str =
             "UPDATE orders SET confirmed_at = $1 WHERE id = $2 AND confirmed_at IS NULL";
-        let done = with_pool!(self.db.pool(), |p| sqlx::query(SQL)
+        let done = with_pool!(self.db.pool(), |p, d| sqlx::query(d.sql(SQL))
             .bind(now_ms())
             .bind(e.order_id.to_string())
             .execute(p)
@@ -443,10 +459,10 @@ impl Ordering {
         e: StockReserved,
         tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError> {
-        let changed = with_conn!(tx, |c| {
-            sqlx::query(
+        let changed = with_conn!(tx, |c, d| {
+            sqlx::query(d.sql(
             "UPDATE orders SET status = 'confirmed', decided_at = $1 WHERE id = $2 AND status = 'pending'",
-        )
+        ))
         .bind(now_ms())
         .bind(e.order_id.to_string())
         .execute(c)
@@ -470,10 +486,10 @@ impl Ordering {
         e: StockRejected,
         tx: &mut Conn<'_>,
     ) -> Result<(), HandlerError> {
-        let changed = with_conn!(tx, |c| sqlx::query(
+        let changed = with_conn!(tx, |c, d| sqlx::query(d.sql(
             "UPDATE orders SET status = 'cancelled', reason = $1, decided_at = $2
              WHERE id = $3 AND status = 'pending'",
-        )
+        ))
         .bind(&e.reason)
         .bind(now_ms())
         .bind(e.order_id.to_string())

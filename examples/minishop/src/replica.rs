@@ -1,10 +1,10 @@
 //! `--role warehouse --replica I --replicas N`: one of N processes running
-//! the Warehouse module over RabbitMQ or NATS JetStream and PostgreSQL,
-//! beside an Ordering process (`--role ordering`).
+//! the Warehouse module over RabbitMQ or NATS JetStream and PostgreSQL (or
+//! MySQL), beside an Ordering process (`--role ordering`).
 //!
-//! The replicas share everything that is the module's: its schema (stock,
-//! reservations, one outbox, one inbox) and its inbox consumer name. Each
-//! runs
+//! The replicas share everything that is the module's: its schema or
+//! database (stock, reservations, one outbox, one inbox) and its inbox
+//! consumer name. Each runs
 //!
 //! * a partitioned consumer of `OrderPlaced` (RabbitMQ: queues
 //!   `minishop.warehouse.0` …, a single active consumer each; NATS:
@@ -20,7 +20,7 @@
 //!
 //! Stock stays right however many replicas reserve at once: the
 //! reservation is one conditional `UPDATE … WHERE available >= qty`, which
-//! PostgreSQL serialises on the stock row (see `Warehouse`).
+//! PostgreSQL (or InnoDB) serialises on the stock row (see `Warehouse`).
 
 use std::sync::Arc;
 

@@ -75,7 +75,8 @@ pub struct Shop {
 /// one before it at once) and unique among the processes sharing its outbox.
 pub fn relay(store: Arc<dyn Store>, name: &str, worker_id: String) -> outbox::RelayBuilder {
     // On PostgreSQL the store's listener LISTENs for other processes'
-    // commits; commits in this process wake it at once.
+    // commits (on MySQL it polls for them); commits in this process wake
+    // it at once.
     Relay::builder_shared(store)
         .worker_id(worker_id)
         // The `outbox.name` label of its metrics.

@@ -1,6 +1,6 @@
-//! The Warehouse module (`warehouse.db`, or schema `warehouse` on
-//! PostgreSQL): reserves stock for placed orders and answers
-//! `StockReserved` or `StockRejected`.
+//! The Warehouse module (`warehouse.db`, schema `warehouse` on PostgreSQL,
+//! or database `<db>_warehouse` on MySQL): reserves stock for placed orders
+//! and answers `StockReserved` or `StockRejected`.
 
 use std::sync::Arc;
 
@@ -8,7 +8,7 @@ use async_trait::async_trait;
 use outbox::sqlite::sqlx;
 use outbox::{HandlerError, NewMessage, OutboxMessage};
 
-use crate::db::{Conn, Ddl, Location, ModuleDb, now_ms};
+use crate::db::{Conn, Ddl, Dialect, Location, ModuleDb, now_ms};
 use crate::fail::Fail;
 use crate::inbox::InboxModule;
 use crate::messages::{OrderPlaced, StockRejected, StockReserved, order_key};
@@ -23,7 +23,9 @@ pub const INITIAL_STOCK: &[(&str, i64)] = &[
     ("golden-ticket", 10),
 ];
 
-/// The warehouse's tables; the dialects differ in the integer types only.
+/// The warehouse's tables; the dialects differ in the column types only
+/// (MySQL keys need `VARCHAR`s; order ids are UUID text, skus the
+/// catalogue's).
 const DDL: Ddl = Ddl {
     sqlite: &[
         "CREATE TABLE IF NOT EXISTS stock (
@@ -49,7 +51,35 @@ const DDL: Ddl = Ddl {
             reserved_at BIGINT  NOT NULL
         )",
     ],
+    mysql: &[
+        "CREATE TABLE IF NOT EXISTS stock (
+            sku       VARCHAR(64) PRIMARY KEY,
+            available BIGINT NOT NULL CHECK (available >= 0)
+        ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+        "CREATE TABLE IF NOT EXISTS reservations (
+            order_id    VARCHAR(36) CHARACTER SET ascii COLLATE ascii_bin PRIMARY KEY,
+            sku         VARCHAR(64) NOT NULL,
+            qty         BIGINT      NOT NULL,
+            reserved_at BIGINT      NOT NULL
+        ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4",
+    ],
 };
+
+/// Adds a sku's initial stock unless the sku is there already (another
+/// process may stock it at the same moment): an upsert, which has no form
+/// all three dialects take.
+fn stock_sql(d: Dialect) -> &'static str {
+    match d {
+        Dialect::Sqlite | Dialect::Postgres => {
+            "INSERT INTO stock (sku, available) VALUES ($1, $2) ON CONFLICT (sku) DO NOTHING"
+        }
+        // Not `INSERT IGNORE`, which would also turn other errors (a
+        // failed CHECK) into warnings.
+        Dialect::MySql => {
+            "INSERT INTO stock (sku, available) VALUES ($1, $2) ON DUPLICATE KEY UPDATE sku = sku"
+        }
+    }
+}
 
 /// The Warehouse module.
 #[derive(Debug)]
@@ -63,14 +93,12 @@ impl Warehouse {
     pub async fn open(location: &Location) -> Result<Arc<Self>, Fail> {
         let db = ModuleDb::open(location, "warehouse", DDL).await?;
         for (sku, qty) in INITIAL_STOCK {
-            with_pool!(db.pool(), |p| sqlx::query(
-                "INSERT INTO stock (sku, available) VALUES ($1, $2) ON CONFLICT (sku) DO NOTHING"
-            )
-            .bind(*sku)
-            .bind(*qty)
-            .execute(p)
-            .await
-            .map(|_| ()))
+            with_pool!(db.pool(), |p, d| sqlx::query(d.sql(stock_sql(d)))
+                .bind(*sku)
+                .bind(*qty)
+                .execute(p)
+                .await
+                .map(|_| ()))
             .map_err(|e| Fail(format!("stocking the warehouse: {e}")))?;
         }
         Ok(Arc::new(Warehouse { db }))
@@ -87,27 +115,30 @@ impl Warehouse {
     ///
     /// Right under concurrent receivers (several warehouse replicas): the
     /// reservation is one conditional `UPDATE … WHERE available >= qty`,
-    /// never a read then a write. PostgreSQL makes a second `UPDATE` of the
-    /// row wait for the first transaction and then re-checks the condition
-    /// on the committed value; SQLite has one writer at a time. The
+    /// never a read then a write. PostgreSQL (and InnoDB alike) makes a
+    /// second `UPDATE` of the row wait for the first transaction and then
+    /// re-checks the condition on the committed value; SQLite has one
+    /// writer at a time. The
     /// reservation's primary key (the order id) refuses a second
     /// reservation of an order, and the inbox a second handling.
     async fn on_order_placed(&self, e: OrderPlaced, tx: &mut Conn<'_>) -> Result<(), HandlerError> {
         let qty = i64::from(e.qty);
-        let reserved = with_conn!(tx, |c| sqlx::query(
-            "UPDATE stock SET available = available - $1 WHERE sku = $2 AND available >= $1",
-        )
+        // `qty` bound twice: MySQL's placeholders are positional.
+        let reserved = with_conn!(tx, |c, d| sqlx::query(d.sql(
+            "UPDATE stock SET available = available - $1 WHERE sku = $2 AND available >= $3",
+        ))
         .bind(qty)
         .bind(&e.sku)
+        .bind(qty)
         .execute(c)
         .await
         .map(|r| r.rows_affected()))?
             == 1;
         let answer = if reserved {
-            with_conn!(tx, |c| {
-                sqlx::query(
+            with_conn!(tx, |c, d| {
+                sqlx::query(d.sql(
                 "INSERT INTO reservations (order_id, sku, qty, reserved_at) VALUES ($1, $2, $3, $4)",
-            )
+            ))
             .bind(e.order_id.to_string())
             .bind(&e.sku)
             .bind(qty)
@@ -122,8 +153,8 @@ impl Warehouse {
                 qty: e.qty,
             })?
         } else {
-            let available: Option<i64> = with_conn!(tx, |c| sqlx::query_scalar(
-                "SELECT available FROM stock WHERE sku = $1"
+            let available: Option<i64> = with_conn!(tx, |c, d| sqlx::query_scalar(
+                d.sql("SELECT available FROM stock WHERE sku = $1")
             )
             .bind(&e.sku)
             .fetch_optional(c)

@@ -1,11 +1,13 @@
-//! End-to-end tests of the `minishop` binary: load runs on SQLite and on
-//! PostgreSQL, over the embedded bus and RabbitMQ, the HTTP API, and bad
-//! input.
+//! End-to-end tests of the `minishop` binary: load runs on SQLite, on
+//! PostgreSQL and on MySQL/MariaDB, over the embedded bus, RabbitMQ and
+//! NATS, the HTTP API, and bad input.
 //!
 //! The RabbitMQ tests need a broker: `OUTBOX_AMQP_URL` if set, else the
 //! local default (`amqp://guest:guest@127.0.0.1:5672/%2f`) if it answers;
 //! the PostgreSQL tests a database: `OUTBOX_PG_URL`, else
-//! `postgres://postgres@127.0.0.1:5432/test` if it answers. Otherwise those
+//! `postgres://postgres@127.0.0.1:5432/test` if it answers; the MySQL tests
+//! a server: `OUTBOX_MYSQL_URL`, else `mysql://root@127.0.0.1:3306/test` if
+//! it answers (a user that may create and drop databases). Otherwise those
 //! tests fail saying how to provide one (they are never skipped).
 
 mod common;
@@ -257,6 +259,112 @@ fn two_hundred_orders_on_postgres_through_rabbitmq() {
     assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
 }
 
+/// The MySQL databases a run named in its banner (`… (databases `a`, `b`), …`).
+fn databases_of(stderr: &str) -> Vec<String> {
+    let line = stderr
+        .lines()
+        .find(|l| l.contains("data in MySQL"))
+        .unwrap_or_else(|| panic!("no MySQL banner in:\n{stderr}"));
+    let list = line
+        .split_once("(databases ")
+        .and_then(|(_, rest)| rest.split_once(')'))
+        .map(|(list, _)| list)
+        .unwrap_or_else(|| panic!("no databases in: {line}"));
+    list.split(", ")
+        .map(|s| s.trim_matches('`').to_owned())
+        .collect()
+}
+
+/// Which of `databases` exist on the MySQL server at `url`.
+fn existing_databases(url: &str, databases: &[String]) -> Vec<String> {
+    use outbox::mysql::sqlx::{self, Connection as _};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut conn = sqlx::MySqlConnection::connect(url)
+            .await
+            .expect("connect to MySQL");
+        let mut found = Vec::new();
+        for database in databases {
+            let hit: Option<String> = sqlx::query_scalar(
+                "SELECT SCHEMA_NAME FROM information_schema.SCHEMATA WHERE SCHEMA_NAME = ?",
+            )
+            .bind(database)
+            .fetch_optional(&mut conn)
+            .await
+            .unwrap();
+            found.extend(hit);
+        }
+        let _ = conn.close().await;
+        found
+    })
+}
+
+/// A load run on MySQL/MariaDB in databases of its own (`--isolated`),
+/// which are gone after it.
+fn mysql_load_run(extra: &[&str]) -> Finished {
+    let url = outbox_mysql::testing::database_url();
+    let database = url
+        .rsplit_once('/')
+        .map(|(_, db)| db.split(['?', '#']).next().unwrap_or_default().to_owned())
+        .unwrap_or_default();
+    let dir = tempfile::tempdir().unwrap();
+    let f = run(
+        minishop()
+            .args([
+                "--orders",
+                "200",
+                "--isolated",
+                "--timeout",
+                "60s",
+                "--mysql",
+                &url,
+            ])
+            .args(extra)
+            // Not used on MySQL: nothing may appear in it.
+            .arg("--data-dir")
+            .arg(dir.path().join("unused")),
+        Duration::from_secs(90),
+    );
+    check_load_run(&f, 200);
+    let databases = databases_of(&f.stderr);
+    assert_eq!(databases.len(), 2, "{}", f.stderr);
+    assert!(
+        databases[0].starts_with(&format!("{database}_ordering_run_"))
+            && databases[1].starts_with(&format!("{database}_warehouse_run_")),
+        "{databases:?}"
+    );
+    assert_eq!(
+        existing_databases(&url, &databases),
+        Vec::<String>::new(),
+        "an isolated run drops its databases"
+    );
+    assert!(!dir.path().join("unused").exists(), "SQLite files made");
+    f
+}
+
+#[test]
+fn two_hundred_orders_on_mysql() {
+    let f = mysql_load_run(&[]);
+    assert!(f.stdout.contains("embedded bus"), "{}", f.stdout);
+}
+
+#[test]
+fn two_hundred_orders_on_mysql_through_nats() {
+    let nats = outbox_api::testing::service_url(&outbox_nats::testing::NATS);
+    let f = mysql_load_run(&["--nats", &nats]);
+    assert!(f.stdout.contains("NATS JetStream"), "{}", f.stdout);
+}
+
+#[test]
+fn two_hundred_orders_on_mysql_through_rabbitmq() {
+    let amqp = outbox_api::testing::service_url(&outbox_rabbitmq::testing::RABBITMQ);
+    let f = mysql_load_run(&["--amqp", &amqp]);
+    assert!(f.stdout.contains("RabbitMQ"), "{}", f.stdout);
+}
+
 #[test]
 fn http_api_places_and_follows_an_order() {
     let dir = tempfile::tempdir().unwrap();
@@ -480,6 +588,59 @@ fn bad_input_is_one_line_without_secrets() {
         limit,
     );
     assert_one_line_error(&f, "postgres://shop:***@127.0.0.1:1/shop");
+
+    // MySQL: a URL of another scheme, one without a database, an
+    // unreachable server, and both databases at once.
+    let f = run(
+        minishop().args([
+            "--orders",
+            "1",
+            "--mysql",
+            "postgres://shop:secretpw@localhost/shop",
+        ]),
+        limit,
+    );
+    assert_one_line_error(
+        &f,
+        "--mysql: `postgres://shop:***@localhost/shop` is not a MySQL URL",
+    );
+    let f = run(
+        minishop().args([
+            "--orders",
+            "1",
+            "--mysql",
+            "mysql://shop:secretpw@localhost:3306",
+        ]),
+        limit,
+    );
+    assert_one_line_error(&f, "names no database");
+    let f = run(
+        minishop().args([
+            "--orders",
+            "1",
+            "--mysql",
+            "mariadb://shop:secretpw@127.0.0.1:1/shop",
+        ]),
+        limit,
+    );
+    assert_one_line_error(&f, "mariadb://shop:***@127.0.0.1:1/shop");
+    let f = run(
+        minishop().args([
+            "--orders",
+            "1",
+            "--mysql",
+            "mysql://shop:secretpw@127.0.0.1:1/shop",
+            "--postgres",
+            "postgres://shop:secretpw@127.0.0.1:1/shop",
+        ]),
+        limit,
+    );
+    assert!(!f.status.success(), "should fail: {}", f.stderr);
+    assert!(
+        f.stderr.contains("cannot be used with") && !f.stderr.contains("secretpw"),
+        "{}",
+        f.stderr
+    );
     let f = run(minishop().args(["--orders", "1", "--isolated"]), limit);
     assert_one_line_error(&f, "--isolated needs");
 

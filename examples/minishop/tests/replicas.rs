@@ -494,6 +494,23 @@ fn role_flags_are_checked_naming_the_missing_one() {
             ],
             "--run ID",
         ),
+        // MySQL serves the replicas as PostgreSQL does: past the database
+        // check, to the next flag's.
+        (
+            vec![
+                "--role",
+                "warehouse",
+                "--amqp",
+                amqp,
+                "--mysql",
+                "mysql://root@127.0.0.1:1/none",
+                "--replica",
+                "3",
+                "--replicas",
+                "3",
+            ],
+            "--replica must be 0 to --replicas - 1",
+        ),
         (vec!["--replicas", "2"], "--replicas needs --role warehouse"),
     ] {
         let mut p = Process::start("minishop", &args);
