@@ -3,11 +3,12 @@
 //! table and writes `target/outbox-bench/summary.json`.
 //! `OUTBOX_BENCH_QUICK=1` runs a smoke version (CI runs it so the benches
 //! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, PostgreSQL figures
-//! `OUTBOX_PG_URL`, else the local default if it answers; without the
+//! `OUTBOX_PG_URL`, MySQL/MariaDB figures `OUTBOX_MYSQL_URL`, else the local
+//! default if it answers; without the
 //! service their rows say NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
 //! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, postgres,
-//! rabbitmq, consumer; a name selects every group
+//! mysql, rabbitmq, nats, consumer; a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
@@ -15,6 +16,7 @@ mod common;
 mod consumer;
 mod latency_trace;
 mod memory;
+mod mysql;
 mod nats;
 mod postgres;
 mod rabbit;
@@ -64,6 +66,9 @@ fn main() {
         }
         if postgres::PARTS.iter().any(|part| wanted(part)) {
             figures.extend(postgres::figures(quick, &wanted).await);
+        }
+        if wanted("mysql") {
+            figures.extend(mysql::figures(quick).await);
         }
         if wanted("rabbitmq") {
             figures.extend(rabbit::figures(quick).await);
