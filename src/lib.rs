@@ -72,3 +72,9 @@ pub mod rabbitmq {
 pub mod nats {
     pub use outbox_nats::*;
 }
+
+/// The Kafka transport (feature `kafka`).
+#[cfg(feature = "kafka")]
+pub mod kafka {
+    pub use outbox_kafka::*;
+}

@@ -1,0 +1,19 @@
+#![doc = include_str!("../README.md")]
+#![forbid(unsafe_code)]
+
+mod config;
+#[cfg(feature = "testing")]
+pub mod testing;
+mod transport;
+
+pub use config::KafkaConfig;
+pub use transport::{
+    CONTENT_TYPE_HEADER, CREATED_AT_HEADER, ID_HEADER, KEY_HEADER, KafkaTransport,
+    TRACEPARENT_HEADER, TYPE_HEADER,
+};
+
+/// The variable the tests read the broker's address from.
+pub const URL_ENV: &str = "OUTBOX_KAFKA_URL";
+
+/// The rdkafka crate, for code that needs more of the client.
+pub use rdkafka;
