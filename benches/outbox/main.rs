@@ -3,17 +3,19 @@
 //! table and writes `target/outbox-bench/summary.json`.
 //! `OUTBOX_BENCH_QUICK=1` runs a smoke version (CI runs it so the benches
 //! never rot). RabbitMQ figures use `OUTBOX_AMQP_URL`, PostgreSQL figures
-//! `OUTBOX_PG_URL`, MySQL/MariaDB figures `OUTBOX_MYSQL_URL`, else the local
+//! `OUTBOX_PG_URL`, MySQL/MariaDB figures `OUTBOX_MYSQL_URL`, Kafka figures
+//! `OUTBOX_KAFKA_URL`, else the local
 //! default if it answers; without the
 //! service their rows say NOT MEASURED.
 //! `cargo bench --bench outbox -- sqlite` runs only the named groups
 //! (memory, memory-metrics, sqlite, sqlite-metrics, sqlite-latency, postgres,
-//! mysql, rabbitmq, nats, consumer; a name selects every group
+//! mysql, rabbitmq, nats, kafka, consumer; a name selects every group
 //! containing it, so `sqlite` also runs `sqlite-latency`, and `drain` runs
 //! only SQLite's drain figures).
 
 mod common;
 mod consumer;
+mod kafka;
 mod latency_trace;
 mod memory;
 mod mysql;
@@ -75,6 +77,9 @@ fn main() {
         }
         if wanted("nats") {
             figures.extend(nats::figures(quick).await);
+        }
+        if wanted("kafka") {
+            figures.extend(kafka::figures(quick).await);
         }
         if wanted("consumer") {
             figures.extend(consumer::figures(quick).await);
