@@ -8,9 +8,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox::{
-    MessageId, MessageKind, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store,
-};
+use outbox::{MessageId, MessageKind, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy};
 use outbox_api::testing::{TcpProxy, wait_until};
 use outbox_kafka::KafkaTransport;
 use outbox_kafka::testing::{
@@ -18,19 +16,11 @@ use outbox_kafka::testing::{
 };
 use outbox_memory::MemoryStore;
 
-const DEADLINE: Duration = Duration::from_secs(60);
+mod outage;
+use outage::{DEADLINE, enqueue, through_an_outage};
+
 /// The test topics' partitions.
 const PARTITIONS: i32 = 4;
-
-fn enqueue(store: &MemoryStore, messages: Vec<NewMessage>) -> Vec<MessageId> {
-    let mut tx = store.begin();
-    let ids = messages
-        .into_iter()
-        .map(|m| tx.enqueue(m).unwrap())
-        .collect();
-    tx.commit().unwrap();
-    ids
-}
 
 fn relay_over(store: &MemoryStore, transport: KafkaTransport) -> outbox::RelayHandle {
     Relay::builder(store.clone())
@@ -41,43 +31,6 @@ fn relay_over(store: &MemoryStore, transport: KafkaTransport) -> outbox::RelayHa
         .probe_max(Duration::from_millis(200))
         .spawn()
         .unwrap()
-}
-
-/// Enqueues 300 messages, takes the broker away (`up(false)`) once some
-/// are delivered, enqueues 300 more, waits for the relay to report the
-/// transport down, brings it back (`up(true)`), and waits until everything
-/// is processed; returns the ids in enqueue order.
-async fn through_an_outage(
-    store: &MemoryStore,
-    relay: &outbox::RelayHandle,
-    message: impl Fn(usize) -> NewMessage,
-    mut up: impl FnMut(bool),
-) -> Vec<MessageId> {
-    let mut ids = enqueue(store, (0..300).map(&message).collect());
-    wait_until("some deliveries", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending < 300 }
-    })
-    .await;
-    up(false);
-    ids.extend(enqueue(store, (300..600).map(&message).collect()));
-    wait_until("the relay to see the outage", DEADLINE, || {
-        let relay = relay.relay().clone();
-        async move {
-            matches!(
-                relay.health().await.transport,
-                outbox::TransportHealth::Down(_)
-            )
-        }
-    })
-    .await;
-    up(true);
-    wait_until("every message processed", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending == 0 }
-    })
-    .await;
-    ids
 }
 
 /// Every one of `ids` is processed with no attempt counted and reached

@@ -6,15 +6,14 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox::{
-    MessageId, MessageKind, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy, Store,
-};
+use outbox::{MessageId, MessageKind, MessageState, NewMessage, OperatorStore, Relay, RetryPolicy};
 use outbox_api::testing::{TcpProxy, wait_until};
 use outbox_memory::MemoryStore;
 use outbox_nats::testing::{TestStream, header, nats_url, server_addr, unique_name};
 use outbox_nats::{KEY_HEADER, MSG_ID_HEADER, NatsTransport};
 
-const DEADLINE: Duration = Duration::from_secs(60);
+mod outage;
+use outage::{DEADLINE, enqueue, through_an_outage};
 
 /// `(message id, key)` of every message `stream` stored, in order.
 async fn stored(stream: &TestStream) -> Vec<(MessageId, Option<String>)> {
@@ -30,43 +29,6 @@ async fn stored(stream: &TestStream) -> Vec<(MessageId, Option<String>)> {
             )
         })
         .collect()
-}
-
-/// Enqueues 300 messages, breaks the transport (`up(false)`) once some are
-/// delivered, enqueues 300 more, waits for the relay to report the
-/// transport down, heals it (`up(true)`), and waits until everything is
-/// processed; returns the ids in enqueue order.
-async fn through_an_outage(
-    store: &MemoryStore,
-    relay: &outbox::RelayHandle,
-    message: impl Fn(usize) -> NewMessage,
-    mut up: impl FnMut(bool),
-) -> Vec<MessageId> {
-    let mut ids = enqueue(store, (0..300).map(&message).collect());
-    wait_until("some deliveries", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending < 300 }
-    })
-    .await;
-    up(false);
-    ids.extend(enqueue(store, (300..600).map(&message).collect()));
-    wait_until("the relay to see the outage", DEADLINE, || {
-        let relay = relay.relay().clone();
-        async move {
-            matches!(
-                relay.health().await.transport,
-                outbox::TransportHealth::Down(_)
-            )
-        }
-    })
-    .await;
-    up(true);
-    wait_until("every message processed", DEADLINE, || {
-        let store = store.clone();
-        async move { store.stats().await.unwrap().pending == 0 }
-    })
-    .await;
-    ids
 }
 
 /// Every one of `ids` is processed with no attempt counted, and `stream`
@@ -91,16 +53,6 @@ async fn assert_each_stored_once_and_uncounted(
         "a message stored twice: Nats-Msg-Id should have dropped the copy"
     );
     stored
-}
-
-fn enqueue(store: &MemoryStore, messages: Vec<NewMessage>) -> Vec<MessageId> {
-    let mut tx = store.begin();
-    let ids = messages
-        .into_iter()
-        .map(|m| tx.enqueue(m).unwrap())
-        .collect();
-    tx.commit().unwrap();
-    ids
 }
 
 /// Through a cut connection every message arrives exactly once, each
