@@ -238,7 +238,7 @@ impl Dispatcher for MySqlReceiver {
 }
 
 /// Enqueues `count` messages through `outbox` on `pool` in transactions of
-/// 1–8 messages ([`writer::enqueue_many`]: retried when rolled back by an
+/// 1–8 messages (the shared writer loop: retried when rolled back by an
 /// outage, uncertain when the `COMMIT` got no answer; see [`settle`]).
 pub async fn enqueue_many(
     outbox: &MySqlOutbox,

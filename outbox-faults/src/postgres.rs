@@ -289,7 +289,7 @@ impl Enqueued {
 
 /// Enqueues `count` messages with sqlx in transactions of 1–8 messages, as
 /// [`check::enqueue_many`] does on SQLite (same sizes, keys and sequence
-/// numbers from `rng`), through [`writer::enqueue_many`]: a transaction
+/// numbers from `rng`), through the shared writer loop: a transaction
 /// that fails because the database is out of reach is tried again — unless
 /// it was its `COMMIT` that failed: then the batch is kept as uncertain
 /// (see [`Enqueued::settle`]). Any other failure is returned.

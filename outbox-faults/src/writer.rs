@@ -11,9 +11,11 @@ use outbox_api::MessageId;
 
 use crate::check::Expected;
 
-/// What [`enqueue_many`] wrote: the messages whose transaction committed,
-/// and the batches whose `COMMIT` failed with the connection (committed or
-/// not: the backend's `settle` looks).
+/// What the application's writer wrote
+/// ([`postgres::enqueue_many`](crate::postgres::enqueue_many),
+/// [`mysql::enqueue_many`](crate::mysql::enqueue_many)): the messages whose
+/// transaction committed, and the batches whose `COMMIT` failed with the
+/// connection (committed or not: the backend's `settle` looks).
 #[derive(Debug, Default)]
 pub struct Enqueued {
     /// Committed for certain.
