@@ -90,7 +90,7 @@ async fn start_driver() -> Driver {
         .local_addr()
         .unwrap()
         .port();
-    let child = tokio::process::Command::new(&binary)
+    let mut child = tokio::process::Command::new(&binary)
         .arg(format!("--port={port}"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -98,13 +98,54 @@ async fn start_driver() -> Driver {
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}", binary.display()));
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    wait_until("chromedriver to listen", || async move {
-        tokio::net::TcpStream::connect(addr).await.is_ok()
-    })
-    .await;
+    // Ready when its own `/status` says so — not merely when something
+    // listens on the port (another process may have taken it meanwhile) —
+    // and failing at once, naming it, if it exits.
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("{} exited ({status}) before it was ready", binary.display());
+        }
+        if driver_ready(addr).await {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for chromedriver on {addr} to report ready"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     Driver {
         _child: child,
         url: format!("http://{addr}"),
+    }
+}
+
+/// Whether the chromedriver on `addr` answers `GET /status` with
+/// `"ready": true`.
+async fn driver_ready(addr: SocketAddr) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return false;
+    };
+    let request = format!("GET /status HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if stream.write_all(request.as_bytes()).await.is_err() {
+        return false;
+    }
+    // It keeps the connection open after its answer: read until the
+    // answer says it is ready, or for at most two seconds.
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 1024];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let text = String::from_utf8_lossy(&answer);
+        if text.contains("\"ready\":true") {
+            return true;
+        }
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => answer.extend_from_slice(&buf[..n]),
+            _ => return false,
+        }
     }
 }
 
