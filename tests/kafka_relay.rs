@@ -17,7 +17,7 @@ use outbox_kafka::testing::{
 use outbox_memory::MemoryStore;
 
 mod outage;
-use outage::{DEADLINE, enqueue, through_an_outage};
+use outage::{DEADLINE, enqueue, through_an_outage, wait_processed};
 
 /// The test topics' partitions.
 const PARTITIONS: i32 = 4;
@@ -72,6 +72,21 @@ async fn assert_each_arrived_in_key_order_uncounted(
     records.len() - ids.len()
 }
 
+/// A fresh topic of [`PARTITIONS`] on `bootstrap`, and a transport that
+/// gives up on the broker after a second (so that an outage shows soon).
+async fn topic_and_transport(bootstrap: &str, prefix: &str) -> (String, KafkaTransport) {
+    let topic = unique_topic(prefix);
+    create_topic(bootstrap, &topic, PARTITIONS).await;
+    let transport = KafkaTransport::connect(
+        KafkaTransport::builder(bootstrap)
+            .delivery_timeout(Duration::from_secs(1))
+            .metadata_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    (topic, transport)
+}
+
 fn keyed(topic: &str) -> impl Fn(usize) -> NewMessage + '_ {
     move |n: usize| {
         NewMessage::new(
@@ -94,15 +109,7 @@ async fn every_message_arrives_in_key_order_through_an_outage_with_no_attempt_co
     let proxy = TcpProxy::start(([127, 0, 0, 1], port).into()).await;
     let _broker = OwnTansu::start_advertising(dir.path(), port, proxy.addr());
     let bootstrap = proxy.addr().to_string();
-    let topic = unique_topic("relay");
-    create_topic(&bootstrap, &topic, PARTITIONS).await;
-    let transport = KafkaTransport::connect(
-        KafkaTransport::builder(&bootstrap)
-            .delivery_timeout(Duration::from_secs(1))
-            .metadata_timeout(Duration::from_secs(1)),
-    )
-    .await
-    .unwrap();
+    let (topic, transport) = topic_and_transport(&bootstrap, "relay").await;
     let store = MemoryStore::new();
     let relay = relay_over(&store, transport);
     let ids = through_an_outage(&store, &relay, keyed(&topic), |healed| {
@@ -126,15 +133,7 @@ async fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_counts_no_attem
     let dir = tempfile::tempdir().unwrap();
     let mut broker = OwnTansu::start(dir.path());
     let bootstrap = broker.bootstrap();
-    let topic = unique_topic("crash");
-    create_topic(&bootstrap, &topic, PARTITIONS).await;
-    let transport = KafkaTransport::connect(
-        KafkaTransport::builder(&bootstrap)
-            .delivery_timeout(Duration::from_secs(1))
-            .metadata_timeout(Duration::from_secs(1)),
-    )
-    .await
-    .unwrap();
+    let (topic, transport) = topic_and_transport(&bootstrap, "crash").await;
     let store = MemoryStore::new();
     let relay = relay_over(&store, transport);
     let ids = through_an_outage(&store, &relay, keyed(&topic), |healed| {
@@ -202,19 +201,7 @@ async fn a_missing_topic_is_counted_and_poisoned_while_others_flow() {
         error.contains(&missing) && error.contains("does not exist"),
         "{error}"
     );
-    wait_until("the good messages processed", DEADLINE, || {
-        let store = store.clone();
-        let good = good.clone();
-        async move {
-            for id in good {
-                if store.get(id).await.unwrap().map(|m| m.state) != Some(MessageState::Processed) {
-                    return false;
-                }
-            }
-            true
-        }
-    })
-    .await;
+    wait_processed("the good messages processed", &store, &good).await;
     assert_eq!(read_topic(&bootstrap, &topic, 1, DEADLINE).await.len(), 20);
     assert_eq!(relay.health().await.transport, outbox::TransportHealth::Up);
     relay.shutdown().await;

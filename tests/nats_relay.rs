@@ -13,7 +13,7 @@ use outbox_nats::testing::{TestStream, header, nats_url, server_addr, unique_nam
 use outbox_nats::{KEY_HEADER, MSG_ID_HEADER, NatsTransport};
 
 mod outage;
-use outage::{DEADLINE, enqueue, through_an_outage};
+use outage::{DEADLINE, enqueue, through_an_outage, wait_processed};
 
 /// `(message id, key)` of every message `stream` stored, in order.
 async fn stored(stream: &TestStream) -> Vec<(MessageId, Option<String>)> {
@@ -152,19 +152,7 @@ async fn a_subject_without_a_stream_is_counted_and_poisoned_while_others_flow() 
         error.contains("no JetStream stream captures subject"),
         "{error}"
     );
-    wait_until("the good messages processed", DEADLINE, || {
-        let store = store.clone();
-        let good = good.clone();
-        async move {
-            for id in good {
-                if store.get(id).await.unwrap().map(|m| m.state) != Some(MessageState::Processed) {
-                    return false;
-                }
-            }
-            true
-        }
-    })
-    .await;
+    wait_processed("the good messages processed", &store, &good).await;
     assert_eq!(stream.ids().await.len(), 20);
     assert_eq!(relay.health().await.transport, outbox::TransportHealth::Up);
     relay.shutdown().await;

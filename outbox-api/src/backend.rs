@@ -8,7 +8,8 @@
 //! * [`Wakeup`] / [`WakeupListener`] — an in-process "something was
 //!   committed" signal to build a [`WorkListener`](crate::WorkListener) from;
 //! * [`redact_url`] — a connection URL with its password hidden, for
-//!   `Debug`, logs and errors;
+//!   `Debug`, logs and errors; [`password_of`] — that password, to scrub
+//!   it from a driver's error texts;
 //! * [`validate_table_name`], [`validate_schema_name`],
 //!   [`MIGRATIONS_TABLE`] — the names of outbox tables, one set of rules
 //!   valid on every store;
@@ -19,7 +20,7 @@
 //!   decoded back tolerating corruption (only [`RowColumns`], reading one
 //!   column, is the driver's).
 
-pub use crate::error::redact_url;
+pub use crate::error::{password_of, redact_url};
 pub use crate::names::{
     MAX_SCHEMA_NAME_LEN, MAX_TABLE_NAME_LEN, MIGRATIONS_TABLE, some_names, unused_inbox_table,
     validate_schema_name, validate_table_name,

@@ -161,9 +161,27 @@ pub fn redact_url(url: &str) -> String {
     format!("{}://{}{}", &url[..scheme_end], redacted, &rest[at..])
 }
 
+/// The password of a URL such as `amqp://user:secret@host/vhost` (the same
+/// rules as [`redact_url`]), to scrub it from a driver's error texts;
+/// `None` when the URL has none.
+pub fn password_of(url: &str) -> Option<&str> {
+    let rest = &url[url.find("://")? + 3..];
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let userinfo = &authority[..authority.rfind('@')?];
+    userinfo.split_once(':').map(|(_, p)| p)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn finds_the_password_redact_url_hides() {
+        assert_eq!(password_of("amqp://u:p@h/v"), Some("p"));
+        assert_eq!(password_of("postgres://u:a@b@h/db"), Some("a@b"));
+        assert_eq!(password_of("mysql://u@h/db"), None);
+        assert_eq!(password_of("not a url"), None);
+    }
 
     #[test]
     fn redacts_passwords() {

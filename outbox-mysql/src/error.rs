@@ -1,6 +1,7 @@
 //! Turning sqlx errors into [`outbox_api::Error`]s that name what failed:
 //! the one mapping of MySQL and MariaDB error numbers ([`error_kind`]).
 
+pub(crate) use outbox_api::backend::password_of;
 use outbox_api::{Error, ErrorKind, MessageId};
 use sqlx::mysql::MySqlDatabaseError;
 
@@ -116,14 +117,6 @@ pub(crate) fn duplicate_id(
         format!("message id {id} exists already in outbox table `{table}`"),
     )
     .with_source(source)
-}
-
-/// The password of a `mysql://user:password@host/db` URL, if any.
-pub(crate) fn password_of(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
-    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    let userinfo = &authority[..authority.rfind('@')?];
-    userinfo.split_once(':').map(|(_, p)| p)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 //! Turning sqlx errors into [`outbox_api::Error`]s that name what failed.
 
+pub(crate) use outbox_api::backend::password_of;
 use outbox_api::{Error, ErrorKind, MessageId};
 
 /// What a SQLSTATE means for the caller (every driver's errors go through
@@ -126,14 +127,6 @@ pub(crate) fn duplicate_id(
         format!("message id {id} exists already in outbox table `{table}`"),
     )
     .with_source(source)
-}
-
-/// The password of a `postgres://user:password@host/db` URL, if any.
-pub(crate) fn password_of(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
-    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-    let userinfo = &authority[..authority.rfind('@')?];
-    userinfo.split_once(':').map(|(_, p)| p)
 }
 
 /// Text safe to store in PostgreSQL's `text` (which refuses NUL).

@@ -4,7 +4,7 @@ use std::fmt;
 use std::time::Duration;
 
 use lapin::uri::{AMQPScheme, AMQPUri};
-use outbox_api::backend::redact_url;
+use outbox_api::backend::{password_of, redact_url};
 use outbox_api::{Error, Result};
 
 use crate::transport::RabbitTransport;
@@ -303,19 +303,6 @@ impl RabbitConfig {
     pub fn build_lazy(self) -> Result<RabbitTransport> {
         RabbitTransport::lazy(self)
     }
-}
-
-/// The password part of a URL's user info, if any (same rules as
-/// [`redact_url`]).
-fn password_of(url: &str) -> Option<&str> {
-    let scheme_end = url.find("://")?;
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let at = authority.rfind('@')?;
-    let userinfo = &authority[..at];
-    let colon = userinfo.find(':')?;
-    Some(&userinfo[colon + 1..])
 }
 
 impl fmt::Debug for RabbitConfig {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox::{MessageId, NewMessage, Store};
+use outbox::{MessageId, MessageState, NewMessage, OperatorStore, Store};
 use outbox_api::testing::wait_until;
 use outbox_memory::MemoryStore;
 
@@ -56,4 +56,22 @@ pub async fn through_an_outage(
     })
     .await;
     ids
+}
+
+/// Waits (up to [`DEADLINE`], naming `what`) until every one of `ids` is
+/// processed.
+pub async fn wait_processed(what: &str, store: &MemoryStore, ids: &[MessageId]) {
+    wait_until(what, DEADLINE, || {
+        let store = store.clone();
+        let ids = ids.to_vec();
+        async move {
+            for id in ids {
+                if store.get(id).await.unwrap().map(|m| m.state) != Some(MessageState::Processed) {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
 }
