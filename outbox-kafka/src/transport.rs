@@ -286,6 +286,7 @@ impl Inner {
     /// the delivery timeout); the delivery to await, or the outcome.
     async fn produce(
         &self,
+        producer: &FutureProducer,
         topic: &str,
         m: &Message,
     ) -> std::result::Result<DeliveryFuture, Outcome> {
@@ -326,7 +327,7 @@ impl Inner {
         }
         let deadline = Instant::now() + self.config.delivery_timeout;
         loop {
-            match self.producer().send_result(record) {
+            match producer.send_result(record) {
                 Ok(delivery) => return Ok(delivery),
                 Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
                     if Instant::now() < deadline =>
@@ -342,6 +343,9 @@ impl Inner {
     async fn send(&self, batch: &[Message]) -> Vec<Outcome> {
         let mut outcomes: Vec<Option<Outcome>> = vec![None; batch.len()];
         let mut deliveries = Vec::with_capacity(batch.len());
+        // One producer for the whole batch (a fatal error replaces it for
+        // the next one).
+        let producer = self.producer();
         for (i, m) in batch.iter().enumerate() {
             let topic = self.config.topic_of(m);
             if let Err(why) = check_topic(&topic) {
@@ -352,7 +356,7 @@ impl Inner {
                 outcomes[i] = Some(outcome);
                 continue;
             }
-            match self.produce(&topic, m).await {
+            match self.produce(&producer, &topic, m).await {
                 Ok(delivery) => deliveries.push((i, topic, delivery)),
                 Err(outcome) => outcomes[i] = Some(outcome),
             }
