@@ -2,11 +2,16 @@
 #![forbid(unsafe_code)]
 
 mod config;
+mod consumer;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod transport;
 
 pub use config::KafkaConfig;
+pub use consumer::{
+    DEAD_ATTEMPTS_HEADER, DEAD_GROUP_HEADER, DEAD_OFFSET_HEADER, DEAD_REASON_HEADER,
+    DEAD_TOPIC_HEADER, KafkaConsumer, KafkaConsumerBuilder, KafkaConsumerHandle,
+};
 pub use transport::{
     CONTENT_TYPE_HEADER, CREATED_AT_HEADER, ID_HEADER, KEY_HEADER, KafkaTransport,
     TRACEPARENT_HEADER, TYPE_HEADER,

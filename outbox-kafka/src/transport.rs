@@ -142,7 +142,7 @@ impl KafkaTransport {
     }
 }
 
-fn create_producer(config: &KafkaConfig) -> Result<FutureProducer> {
+pub(crate) fn create_producer(config: &KafkaConfig) -> Result<FutureProducer> {
     config.producer_config().create().map_err(|e| {
         Error::config(
             "producer",
