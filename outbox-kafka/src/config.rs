@@ -199,6 +199,23 @@ impl KafkaConfig {
         out
     }
 
+    /// The librdkafka configuration of an admin client: the brokers and the
+    /// connection's properties (security), nothing of the producer's.
+    pub(crate) fn admin_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap);
+        for (k, v) in &self.extra {
+            if k.starts_with("security.")
+                || k.starts_with("sasl.")
+                || k.starts_with("ssl.")
+                || k == "client.id"
+            {
+                c.set(k, v);
+            }
+        }
+        c
+    }
+
     /// The librdkafka configuration of the producer.
     pub(crate) fn producer_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();

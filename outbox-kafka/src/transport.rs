@@ -6,6 +6,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use outbox_api::{Error, Message, Outcome, Result, Transport};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
@@ -126,6 +128,73 @@ impl KafkaTransport {
     /// The rdkafka producer (shared by clones), for code that needs more.
     pub fn producer(&self) -> FutureProducer {
         self.inner.producer()
+    }
+
+    /// Creates `topic` with `partitions` partitions, each kept on
+    /// `replication` brokers, unless it exists: `Ok(true)` when it was
+    /// created, `Ok(false)` when it was there already (its partitions are
+    /// left as they are). The transport and the consumer never create a
+    /// topic themselves; an application (or its deployment) does, once.
+    /// A bad name is `ErrorKind::Config`; a broker that refuses or does
+    /// not answer within the metadata timeout, `ErrorKind::Unavailable`.
+    pub async fn create_topic(
+        &self,
+        topic: &str,
+        partitions: i32,
+        replication: i32,
+    ) -> Result<bool> {
+        check_topic(topic).map_err(|why| Error::config("topic", why))?;
+        if partitions < 1 || replication < 1 {
+            return Err(Error::config(
+                "topic",
+                format!("`{topic}` needs at least one partition and one replica"),
+            ));
+        }
+        let config = &self.inner.config;
+        let admin: AdminClient<DefaultClientContext> =
+            config.admin_config().create().map_err(|e| {
+                Error::config(
+                    "admin",
+                    config.scrub(&format!(
+                        "librdkafka refused the admin client's configuration: {e}"
+                    )),
+                )
+            })?;
+        let answers = admin
+            .create_topics(
+                &[NewTopic::new(
+                    topic,
+                    partitions,
+                    TopicReplication::Fixed(replication),
+                )],
+                &AdminOptions::new()
+                    .request_timeout(Some(config.metadata_timeout))
+                    .operation_timeout(Some(config.metadata_timeout)),
+            )
+            .await
+            .map_err(|e| {
+                Error::unavailable(config.scrub(&format!("creating topic `{topic}`: {e}")))
+            })?;
+        let created = match answers.first() {
+            Some(Ok(_)) => true,
+            Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) => false,
+            Some(Err((_, code))) => {
+                return Err(Error::unavailable(format!(
+                    "the brokers refused to create topic `{topic}`: {code}"
+                )));
+            }
+            None => {
+                return Err(Error::unavailable(format!(
+                    "no answer about topic `{topic}`"
+                )));
+            }
+        };
+        self.inner
+            .topics
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(topic);
+        Ok(created)
     }
 
     /// Waits up to `timeout` for every message handed to the producer to be

@@ -249,3 +249,29 @@ mod conformance {
     use super::*;
     outbox_api::transport_conformance_tests!(under_test);
 }
+
+/// `create_topic` creates a topic once (then says it was there), and
+/// refuses a name Kafka does not take before asking the brokers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_topic_creates_once_and_refuses_bad_names() {
+    let bootstrap = kafka_url();
+    let transport = connect(&bootstrap).await;
+    let topic = unique_topic("created");
+    assert!(transport.create_topic(&topic, 2, 1).await.expect("created"));
+    assert!(
+        !transport
+            .create_topic(&topic, 2, 1)
+            .await
+            .expect("already there")
+    );
+    let outcomes = transport.send(&[stored(to(&topic, 0))]).await;
+    assert_eq!(outcomes, vec![Outcome::Delivered]);
+    let e = transport.create_topic("no spaces", 1, 1).await.unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+    assert!(e.to_string().contains("no spaces"), "{e}");
+    let e = transport
+        .create_topic(&unique_topic("none"), 0, 1)
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Config, "{e}");
+}
