@@ -34,7 +34,7 @@ struct Kafka {
     /// Sends made while the proxy was cut finish after the heal.
     later: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     consumer: Mutex<Option<Arc<KafkaConsumerHandle>>>,
-    _broker: OwnTansu,
+    broker: Mutex<OwnTansu>,
     _dir: tempfile::TempDir,
 }
 
@@ -62,7 +62,7 @@ impl Kafka {
             transport,
             later: Mutex::new(Vec::new()),
             consumer: Mutex::new(None),
-            _broker: broker,
+            broker: Mutex::new(broker),
             _dir: dir,
         }
     }
@@ -415,6 +415,98 @@ async fn members_joining_and_leaving_keep_each_keys_order_and_lose_nothing() {
         assert_eq!(seq, *expected, "key {key}: effects in order");
         *expected += 1;
     }
+}
+
+/// The broker SIGKILLed and restarted while a member consumes into a
+/// PostgreSQL inbox: nothing is lost, each effect happens once, each key's
+/// effects stay in order, no attempt is counted (an outage, not the
+/// records' fault), and every offset is committed at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_killed_and_restarted_mid_run_loses_nothing_and_counts_no_attempt() {
+    use outbox_api::testing::InboxUnderTest;
+    const KEYS: usize = 20;
+    const PER_KEY: usize = 50;
+    const TOTAL: usize = KEYS * PER_KEY;
+    let fx = Kafka::new().await;
+    let db = outbox_postgres::testing::PgUnderTest::fresh(None).await;
+    let sut = Arc::new(db);
+    let replier = Arc::new(outbox_api::testing::consumer::Replier::new(&sut));
+    fx.spawn(
+        sut.inbox().clone(),
+        replier.clone(),
+        ConsumerSettings::default(),
+    )
+    .await;
+    let sent = |seq: usize| -> Vec<_> {
+        (0..KEYS)
+            .map(|k| {
+                NewMessage::new(MessageKind::Integration, "T", format!("k{k}:{seq}"))
+                    .destination(fx.topic.as_str(), "")
+                    .key(format!("k{k}"))
+                    .into_message(Timestamp::now())
+                    .unwrap()
+            })
+            .collect()
+    };
+    for seq in 0..PER_KEY / 2 {
+        let outcomes = fx.transport.send(&sent(seq)).await;
+        assert!(
+            outcomes.iter().all(|o| *o == Outcome::Delivered),
+            "{outcomes:?}"
+        );
+    }
+    outbox_api::testing::wait_until("a fifth is handled", DEADLINE, || {
+        let n = fx.stats().handled;
+        async move { n >= (TOTAL / 5) as u64 }
+    })
+    .await;
+    fx.broker.lock().unwrap().kill();
+    outbox_api::testing::wait_until("the member notices", DEADLINE, || {
+        let up = fx.is_connected();
+        async move { !up }
+    })
+    .await;
+    tokio::task::block_in_place(|| fx.broker.lock().unwrap().restart());
+    // The relay's side goes on once the broker is back.
+    for seq in PER_KEY / 2..PER_KEY {
+        let deadline = Instant::now() + DEADLINE;
+        loop {
+            let outcomes = fx.transport.send(&sent(seq)).await;
+            if outcomes.iter().all(|o| *o == Outcome::Delivered) {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the broker did not come back: {outcomes:?}"
+            );
+        }
+    }
+    outbox_api::testing::wait_until("every record is handled", DEADLINE * 2, || {
+        let n = replier
+            .order
+            .lock()
+            .unwrap()
+            .values()
+            .map(Vec::len)
+            .sum::<usize>();
+        async move { n >= TOTAL }
+    })
+    .await;
+    let stats = fx.stats();
+    assert_eq!((stats.retried, stats.dead_lettered), (0, 0), "{stats:?}");
+    assert!(stats.reconnects >= 1, "the reconnect is counted: {stats:?}");
+    assert_eq!(fx.stop_and_count_left().await, 0, "every offset committed");
+    let order = replier.order.lock().unwrap().clone();
+    for (key, bodies) in &order {
+        let expected: Vec<String> = (0..PER_KEY).map(|seq| format!("{key}:{seq}")).collect();
+        assert_eq!(bodies, &expected, "key {key}: each effect once, in order");
+    }
+    assert_eq!(
+        sut.store().stats().await.expect("stats").pending,
+        TOTAL as u64,
+        "one reply per record: each effect once"
+    );
+    println!("broker killed and restarted: {stats:?}");
 }
 
 mod memory {
